@@ -1,0 +1,291 @@
+"""Configuration: attrs classes loaded from YAML with strict validation.
+
+The top-level keys are a contract: ``model``, ``runtime``, ``policy``, ``verifier``,
+``generation``. ``policy`` and ``verifier`` hold ``name`` plus that strategy's own parameters,
+validated against the strategy's ``Params`` attrs class. Every error names the file, the key path,
+the value and what was expected::
+
+    configs/x.yaml: verifier.kappa: expected a number in (0, 1], got 1.5
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from adaptivespec.errors import ConfigError, UnknownStrategyError
+
+
+# -- validators whose messages say what was expected ----------------------------------------
+def positive_int(inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+
+
+def number_in(lo: float | None, hi: float | None, *, lo_open: bool = False, hi_open: bool = False):
+    """Validator: ``lo <(=) value <(=) hi``; its message writes the interval."""
+    text = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"
+
+    def check(inst: Any, attribute: attrs.Attribute, value: float | None) -> None:
+        if value is None:
+            return
+        bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
+            hi is not None and (value > hi or (hi_open and value == hi))
+        )
+        if bad:
+            raise ValueError(f"expected a number in {text}, got {value!r}")
+
+    return check
+
+
+def one_of(*choices: str):
+    def check(inst: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+
+    return check
+
+
+# -- the schema ------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    target: str = "smollm2-135m-instruct"
+    """Target model: ``smollm2-135m-instruct`` (embedded), a local folder or a Hugging Face id."""
+    drafter: str | None = "embedded"
+    """Drafter checkpoint folder (EAGLE-3 layout), ``embedded`` for the shipped head, or null for
+    plain autoregressive decoding."""
+    drafter_kind: str = "eagle3"
+    """Registered drafter kind that loads ``drafter``."""
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    name: str = "torch"
+    """Registered runtime."""
+    device: str = "cpu"
+    """Torch device: ``cpu``, ``cuda``, ``cuda:1`` ..."""
+    dtype: str = attrs.field(default="bfloat16", validator=one_of("float32", "bfloat16"))
+    """Weights and activations dtype."""
+    threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    """torch intra-op threads (null: torch's default)."""
+
+
+@attrs.frozen(kw_only=True)
+class StrategyConfig:
+    name: str
+    """Registered strategy name."""
+    params: Any = None
+    """The strategy's validated ``Params`` instance."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **(attrs.asdict(self.params) if self.params is not None else {})}
+
+
+@attrs.frozen(kw_only=True)
+class GenerationConfig:
+    max_new_tokens: int = attrs.field(default=256, validator=positive_int)
+    """Generated tokens at most per prompt (the EOS token included)."""
+    stop_at_eos: bool = True
+    """Stop at the tokenizer's end-of-sequence token."""
+    chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template as one user message (``--raw`` disables)."""
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
+    policy: StrategyConfig
+    verifier: StrategyConfig
+    generation: GenerationConfig = attrs.Factory(GenerationConfig)
+    source: str = "<defaults>"
+    """File the config came from (for messages)."""
+
+    @property
+    def autoregressive(self) -> bool:
+        return self.model.drafter is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": attrs.asdict(self.model),
+            "runtime": attrs.asdict(self.runtime),
+            "policy": self.policy.to_dict(),
+            "verifier": self.verifier.to_dict(),
+            "generation": attrs.asdict(self.generation),
+        }
+
+
+TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation")
+SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "generation": GenerationConfig}
+DEFAULT_STRATEGY = {"policy": "static", "verifier": "strict"}
+
+
+# -- strict structuring ------------------------------------------------------------------------
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _describe(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if typing.get_origin(tp) in (tuple, list):
+        return f"a list of {_describe(args[0])}s" if args else "a list"
+    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
+    """``value`` as type ``tp`` (no lenient coercion: "3" is not an int, true is not 1)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, value, where, key)
+            except ConfigError:
+                pass
+    elif origin in (tuple, list) and isinstance(value, (list, tuple)):
+        inner = args[0] if args else Any
+        items = [_convert(inner, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    elif tp is bool and isinstance(value, bool):
+        return value
+    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif tp is str and isinstance(value, str):
+        return value
+    elif attrs.has(tp) and isinstance(value, dict):
+        return structure(tp, value, where, key)
+    raise ConfigError(where, key, f"expected {_describe(tp)}, got {value!r}")
+
+
+def structure(cls: type, data: Any, where: str, path: str) -> Any:
+    """Build attrs class ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+    fields = {f.name: f for f in attrs.fields(attrs.resolve_types(cls))}
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(where, path, f"expected a mapping, got {data!r}")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(where, key, f"unknown key; expected one of: {', '.join(fields) or '(no keys)'}")
+    kwargs = {name: _convert(fields[name].type, value, where, f"{path}.{name}" if path else name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        # attrs validators name the attribute in their own message; find which key it was
+        bad = next((n for n in kwargs if f"'{n}'" in str(exc) or str(exc).startswith(n)), None)
+        failing = _failing_key(cls, kwargs) or bad
+        key = f"{path}.{failing}" if failing and path else (failing or path)
+        raise ConfigError(where, key, str(exc)) from None
+
+
+def _failing_key(cls: type, kwargs: dict[str, Any]) -> str | None:
+    """Re-run field validators one by one to find which key a failure belongs to."""
+    for f in attrs.fields(cls):
+        if f.name in kwargs and f.validator is not None:
+            try:
+                f.validator(None, f, kwargs[f.name])
+            except (ValueError, TypeError):
+                return f.name
+    return None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError("--set", "", f"expected KEY=VALUE with a dotted key such as verifier.kappa=0.5, got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_override(data: dict[str, Any], text: str) -> None:
+    keys, value = parse_override(text)
+    if keys[0] not in TOP_LEVEL:
+        raise ConfigError("--set", text.partition("=")[0], f"unknown key; expected one of: {', '.join(TOP_LEVEL)}")
+    node = data
+    for k in keys[:-1]:
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise ConfigError("--set", ".".join(keys), f"{k} is not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(path), "", "config file not found" if not p.exists() else "not a file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(str(path), "", f"invalid YAML{at}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "", f"expected a mapping with keys {', '.join(TOP_LEVEL)}, got {type(data).__name__}")
+    return data
+
+
+def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Config:
+    """Validate a raw mapping (already merged with overrides) into a :class:`Config`."""
+    if host is None:
+        from adaptivespec.plugins import get_plugin_host
+
+        host = get_plugin_host()
+    unknown = sorted(set(data) - set(TOP_LEVEL))
+    if unknown:
+        raise ConfigError(where, str(unknown[0]), f"unknown top-level key; expected one of: {', '.join(TOP_LEVEL)}")
+    sections = {name: structure(cls, data.get(name), where, name) for name, cls in SECTIONS.items()}
+    if not sections["model"].drafter and sections["model"].drafter is not None:
+        raise ConfigError(where, "model.drafter", "expected a checkpoint folder, 'embedded' or null, got ''")
+    strategies = {}
+    for kind in ("policy", "verifier"):
+        raw = data.get(kind)
+        raw = {"name": DEFAULT_STRATEGY[kind]} if raw is None else raw
+        if isinstance(raw, str):
+            raw = {"name": raw}
+        if not isinstance(raw, dict):
+            raise ConfigError(where, kind, f"expected a mapping with a name, got {raw!r}")
+        raw = dict(raw)
+        name = raw.pop("name", DEFAULT_STRATEGY[kind])
+        try:
+            entry = host.registry(kind).get(name)
+        except UnknownStrategyError as exc:
+            raise ConfigError(where, f"{kind}.name", str(exc)) from None
+        params = structure(entry.cls.Params, raw, where, kind)
+        strategies[kind] = StrategyConfig(name=name, params=params)
+    for kind, registry in (("runtime", host.runtimes), ("drafter", host.drafters)):
+        name = sections["runtime"].name if kind == "runtime" else sections["model"].drafter_kind
+        if name not in registry:
+            key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
+            raise ConfigError(where, key, f"unknown {kind} {name!r}; registered {kind}s: {', '.join(registry.names())}")
+    return Config(**sections, **strategies, source=where)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), host=None) -> Config:
+    """Read ``path`` (None: defaults only), apply ``--set`` overrides, validate."""
+    data = read_yaml(path) if path is not None else {}
+    for text in overrides:
+        apply_override(data, text)
+    return build_config(data, str(path) if path is not None else "<defaults>", host)

@@ -1,0 +1,95 @@
+"""Base classes of the pluggable strategies: tree policies and verifiers.
+
+A strategy is a class with three class attributes, ``name``, ``lossless`` and ``Params`` (an attrs
+class holding its YAML parameters, validated strictly), and is built once per generation run as
+``cls(params)``. The decode loop then calls its methods directly: no hook call on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
+
+
+@attrs.frozen(kw_only=True)
+class NoParams:
+    """A strategy without parameters."""
+
+
+class TreePolicy:
+    """Chooses the draft-tree shape of every step and how each tree level is kept.
+
+    Subclasses implement :meth:`shapes` and :meth:`next_shape`; they may override :meth:`observe`
+    (called after every step with its record), :meth:`reset` (new prompt) and the two tree rules
+    :meth:`select_level` / :meth:`select_final`, whose defaults are EAGLE-2/3's beam drafting.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True  # a policy never changes what is accepted
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def shapes(self) -> tuple[TreeShape, ...]:
+        """Every shape :meth:`next_shape` may return; the runtime prepares one executor for each."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget per-sequence state before a new prompt."""
+
+    def next_shape(self, signals: StepSignals) -> TreeShape:
+        """The shape of this step, from signals available before drafting it."""
+        raise NotImplementedError
+
+    def observe(self, record: StepRecord) -> None:
+        """Learn from the step that just finished."""
+
+    def state(self) -> dict[str, Any]:
+        """What the policy wants recorded in the step trace about its last decision."""
+        return {}
+
+    # -- tree construction rules (EAGLE-2/3 defaults) ----------------------------------------
+    def select_level(
+        self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Which candidates of one tree level stay in the pool and which are expanded further.
+
+        ``scores``: [c] cumulative draft log-probabilities of the level's candidates (c = topk at
+        depth 1, beam * topk below). Returns ``(pool, beam)`` index tensors; ``pool=None`` means
+        every candidate stays in the pool. EAGLE keeps all candidates and expands the best topk.
+        """
+        k = min(shape.topk, scores.shape[0])
+        return None, torch.topk(scores, k, sorted=False).indices
+
+    def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
+        """Indices of the pooled candidates verified by the target (``ndt - 1`` best by score).
+
+        The pool is laid out by depth, so a stable sort keeps a parent ahead of a child whose
+        cumulative score ties with it: the kept set is closed under ancestors.
+        """
+        k = min(shape.ndt - 1, scores.shape[0])
+        return torch.sort(scores, descending=True, stable=True).indices[:k]
+
+
+class Verifier:
+    """Decides which path of a drafted tree is accepted, from the target's logits over the tree.
+
+    A verifier is *lossless* when its output equals greedy decoding of the target token for token.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        """Accepted path and emitted tokens. ``logits``: [n, V] target logits at every tree node."""
+        raise NotImplementedError

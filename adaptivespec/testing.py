@@ -1,0 +1,1 @@
+"""pytest plugin with fixtures for adaptivespec plugin authors (loaded through ``pytest11``)."""

@@ -1,0 +1,139 @@
+"""Values exchanged between the decode loop and the strategies.
+
+Conventions used throughout (vLLM-style shape comments):
+
+* A *draft tree* has ``n`` nodes. Node 0 is the **root**: the last token already chosen (by the
+  target) but not yet run through the target. Nodes 1..n-1 are drafted tokens. Nodes are stored in
+  topological order: a parent always has a smaller index than its children.
+* *Accepted* tokens are drafted nodes on the path the verifier keeps; *promoted* tokens are the
+  accepted ones that did not match the target's greedy choice (lossy verifiers only); the *bonus*
+  token is the target's own choice after the last accepted node. A step therefore emits
+  ``accepted + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen(kw_only=False, order=True)
+class TreeShape:
+    """One EAGLE tree shape: ``(nsteps, topk, ndt)``.
+
+    ``nsteps`` is the draft depth (levels below the root), ``topk`` the branching (children proposed
+    per expanded node and beam width), ``ndt`` the number of tokens verified, root included, so
+    ``ndt - 1`` drafted nodes are kept. ``(7, 1, 8)`` is a chain of 7 drafted tokens.
+    """
+
+    nsteps: int = attrs.field(validator=_positive)
+    """Draft depth: levels of drafted tokens below the root."""
+    topk: int = attrs.field(validator=_positive)
+    """Branching: children proposed per expanded node, and the beam width of each level."""
+    ndt: int = attrs.field(validator=_positive)
+    """Tokens verified by the target per step, the root included."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.ndt < 2:
+            raise ValueError(f"ndt must be >= 2 (the root and one drafted token), got {self.ndt}")
+        if self.ndt - 1 > self.max_nodes:
+            raise ValueError(
+                f"ndt - 1 = {self.ndt - 1} drafted nodes cannot be kept from a tree of "
+                f"nsteps={self.nsteps}, topk={self.topk} (at most {self.max_nodes} candidates)"
+            )
+
+    @property
+    def max_nodes(self) -> int:
+        """Candidates drafted: topk at depth 1, topk*topk at every further depth."""
+        return self.topk + (self.nsteps - 1) * self.topk * self.topk
+
+    def __str__(self) -> str:
+        return f"({self.nsteps},{self.topk},{self.ndt})"
+
+
+@attrs.define(eq=False, kw_only=True)
+class DraftTree:
+    """A drafted token tree ready for one target forward.
+
+    All tensors live on the runtime's device; ``n`` = number of nodes including the root.
+    """
+
+    tokens: torch.Tensor  # [n] int64, target-vocabulary ids; tokens[0] is the root
+    parents: torch.Tensor  # [n] int64, parents[0] == -1
+    depth: torch.Tensor  # [n] int64, depth[0] == 0
+    ancestors: torch.Tensor  # [n, n] bool, ancestors[i, j]: j is i or an ancestor of i
+    draft_logp: torch.Tensor  # [n] float32, cumulative draft log-probability (root 0)
+    shape: TreeShape
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@attrs.frozen(kw_only=True)
+class VerifyResult:
+    """What a verifier keeps of a tree."""
+
+    path: list[int]
+    """Node indices of the accepted path, starting with the root (0); len = accepted + 1."""
+    tokens: list[int]
+    """Tokens emitted by this step: the accepted drafted tokens, then the bonus token."""
+    promoted: int = 0
+    """How many accepted tokens differ from the target's greedy choice (0 for lossless verifiers)."""
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path) - 1
+
+
+@attrs.frozen(kw_only=True)
+class StepSignals:
+    """What a tree policy may read before it picks the shape of a step."""
+
+    step: int
+    """Index of this step in the current generation (0 = first speculative step)."""
+    draft_top1_prob: float
+    """Draft model's top-1 probability for the first token below the root at this step."""
+    last_accepted: int
+    """Drafted tokens accepted at the previous step (-1 before the first step)."""
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """The record of one decode step, handed to ``adaptivespec_step`` observers and traces."""
+
+    step: int
+    """Index of the step in this generation (prefill not counted)."""
+    shape: TreeShape | None
+    """Tree shape used (None for autoregressive steps)."""
+    tree_size: int
+    """Nodes verified by the target, root included (1 for autoregressive steps)."""
+    accepted: int
+    """Drafted tokens accepted (promoted ones included)."""
+    promoted: int
+    """Accepted tokens that differ from the target's greedy choice."""
+    new_tokens: int
+    """Tokens this step added to the output (accepted + 1, less when EOS or the limit cut it)."""
+    draft_ms: float
+    """Wall time spent drafting the tree."""
+    verify_ms: float
+    """Wall time of the target forward over the tree."""
+    other_ms: float
+    """Verification rule, cache compaction, drafter extension and bookkeeping."""
+    signals: StepSignals | None = None
+    """Signals the policy read before choosing ``shape``."""
+    policy_state: dict[str, Any] = attrs.field(factory=dict)
+    """What the policy reports about its decision (e.g. DCS and its inputs)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self, recurse=False)
+        d["shape"] = None if self.shape is None else [self.shape.nsteps, self.shape.topk, self.shape.ndt]
+        d["signals"] = None if self.signals is None else attrs.asdict(self.signals)
+        return d

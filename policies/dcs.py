@@ -1,0 +1,1 @@
+"""Policy ``dcs`` (AdaptiveSpec's Draft Confidence Score tree policy) — being implemented."""

@@ -1,0 +1,1 @@
+"""Verifier ``margin`` (AdaptiveSpec's margin rule) — being implemented."""
