@@ -54,7 +54,7 @@ class Entry:
         return {
             "kind": self.kind,
             "name": self.name,
-            "lossless": self.lossless,
+            "lossless": self.lossless if self.kind in ("policy", "verifier") else None,
             "provider": self.provider,
             "class": f"{self.cls.__module__}.{self.cls.__qualname__}",
             "description": self.description,

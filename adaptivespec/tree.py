@@ -63,8 +63,9 @@ def make_tree(
     max_depth = shape.nsteps if shape is not None else n - 1
     anc = ancestor_matrix(parents, max_depth)
     depth = anc.sum(-1) - 1
-    if shape is None:
-        shape = TreeShape(max(int(depth.max()), 1), 1, max(n, 2)) if n > 1 else TreeShape(1, 1, 2)
+    if shape is None:  # descriptive only: the tightest EAGLE shape that contains this tree
+        width = int(torch.bincount(depth).max()) if n > 1 else 1
+        shape = TreeShape(max(int(depth.max()), 1), width, max(n, 2))
     if draft_logp is None:
         draft_logp = torch.zeros(n, device=tokens.device)
     return DraftTree(tokens=tokens, parents=parents, depth=depth, ancestors=anc, draft_logp=draft_logp, shape=shape)

@@ -1,0 +1,209 @@
+"""Command line: ``adaptivespec generate | plugins | plot-trace | train-drafter | bench | sweep | serve``.
+
+Every user error (config, arguments, paths, plugin names) is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from adaptivespec import __version__
+from adaptivespec.errors import AdaptiveSpecError
+
+# Subcommands contributed by other modules: (module, function adding the subparser, which sets
+# ``func`` through ``set_defaults``). A module missing from a partial installation is skipped.
+EXTRA_COMMANDS = [
+    ("adaptivespec.training.cli", "add_parser"),
+    ("adaptivespec.evaluation.cli", "add_bench_parser"),
+    ("adaptivespec.evaluation.cli", "add_sweep_parser"),
+    ("adaptivespec.sglang.serve", "add_serve_parser"),
+]
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SystemExit(_fail(f"{self.prog}: {message} (see --help)"))
+
+
+def _fail(message: str) -> int:
+    print(f"adaptivespec: error: {message}", file=sys.stderr)
+    return 2
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# -- generate -------------------------------------------------------------------------------------
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt or a JSONL file of prompts")
+    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (a user message)")
+    src.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "id"?: ...} per line')
+    p.add_argument("--max-new-tokens", type=positive_int, help="override generation.max_new_tokens")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set verifier.kappa=0.5 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON line per prompt instead of streaming")
+    p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
+    p.add_argument("--trace", metavar="FILE.jsonl", help="write every decode step's record to this file")
+    p.set_defaults(func=run_generate)
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise AdaptiveSpecError(f"--prompts: {path}: file not found")
+    prompts = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise AdaptiveSpecError(f"--prompts: {path}:{n}: invalid JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise AdaptiveSpecError(f'--prompts: {path}:{n}: expected an object with a string "prompt", got {line[:60]!r}')
+        prompts.append(item)
+    if not prompts:
+        raise AdaptiveSpecError(f"--prompts: {path}: no prompts in the file")
+    return prompts
+
+
+class _Streamer:
+    """Prints decoded text as token ids arrive (decoding the whole output, printing the delta)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok, self.ids, self.printed = tokenizer, [], ""
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            return
+        sys.stdout.write(text[len(self.printed):])
+        sys.stdout.flush()
+        self.printed = text
+
+
+def run_generate(args) -> int:
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+
+    overrides = list(args.overrides)
+    if args.max_new_tokens:
+        overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
+    config = load_config(args.config, overrides)
+    prompts = [{"prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts)
+    engine = Engine(config)
+    trace = open(args.trace, "w") if args.trace else None
+    try:
+        for item in prompts:
+            pid = item.get("id")
+            on_step = None
+            if trace is not None:
+                def on_step(record, pid=pid):
+                    trace.write(json.dumps({"id": pid, **record.to_dict()}) + "\n")
+            streamer = None if args.json else _Streamer(engine.tokenizer)
+            ids = engine.encode(item["prompt"], raw=args.raw)
+            result = engine.generate_ids(ids, on_tokens=streamer, on_step=on_step)
+            s = result.stats
+            if args.json:
+                print(json.dumps({"id": pid, "text": result.text, "token_ids": result.token_ids, "stats": s}), flush=True)
+            else:
+                print(f"\n[{s['new_tokens']} tokens in {s['wall_seconds']:.2f} s, {s['tokens_per_second']:.2f} tok/s, "
+                      f"{s['target_forwards']} target forwards, accept length {s['accept_length_mean']:.2f}, "
+                      f"{s['promoted_tokens']} promoted, {config.policy.name}+{config.verifier.name}"
+                      f"{'' if engine.lossless else ' (lossy)'}]", flush=True)
+    finally:
+        if trace is not None:
+            trace.close()
+    return 0
+
+
+# -- plugins --------------------------------------------------------------------------------------
+def add_plugins_parser(sub) -> None:
+    p = sub.add_parser("plugins", help="list every registered strategy and where it comes from")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(func=run_plugins)
+
+
+def run_plugins(args) -> int:
+    from adaptivespec.plugins import get_plugin_host
+
+    entries = [e.to_dict() for e in get_plugin_host().entries()]
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    rows = [("KIND", "NAME", "ACCEPTANCE", "PROVIDED BY", "DESCRIPTION")]
+    rows += [(e["kind"], e["name"], {True: "lossless", False: "lossy", None: "-"}[e["lossless"]], e["provider"], e["description"]) for e in entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+    return 0
+
+
+# -- plot-trace -----------------------------------------------------------------------------------
+def add_plot_trace_parser(sub) -> None:
+    p = sub.add_parser("plot-trace", help="plot tree shape and accepted length over the steps of a trace")
+    p.add_argument("trace", help="JSONL written by generate --trace")
+    p.add_argument("-o", "--output", required=True, help="PNG file to write")
+    p.set_defaults(func=run_plot_trace)
+
+
+def run_plot_trace(args) -> int:
+    from adaptivespec.trace import plot_trace
+
+    plot_trace(args.trace, args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
+# -- main -----------------------------------------------------------------------------------------
+def build_parser() -> ArgParser:
+    parser = ArgParser(prog="adaptivespec", description="Per-step adaptive speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"adaptivespec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser, metavar="COMMAND")
+    add_generate_parser(sub)
+    add_plugins_parser(sub)
+    add_plot_trace_parser(sub)
+    for module, add in EXTRA_COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module.startswith(exc.name):
+                raise
+            continue
+        if hasattr(mod, add):
+            getattr(mod, add)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args) or 0)
+    except AdaptiveSpecError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        print("adaptivespec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

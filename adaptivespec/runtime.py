@@ -1,0 +1,162 @@
+"""The torch runtime: target and drafter forwards for tree speculation (CPU, and CUDA as is).
+
+It owns the target's KV cache (transformers ``DynamicCache``) and the drafter's, and offers the
+four operations of a speculative step: :meth:`TorchRuntime.draft`, :meth:`TorchRuntime.verify_forward`,
+(the verifier rule runs in between, outside the runtime) and :meth:`TorchRuntime.commit`.
+
+State between steps (``P`` = tokens the target has processed)::
+
+    target cache   positions [0, P)
+    root           the last emitted token, at position P, not yet run through the target
+    drafter cache  positions [0, P): drafter position i holds (embed(token[i+1]), state[i])
+    root_state     drafter output at position P-1; root_logp its draft distribution of token P+1
+"""
+
+from __future__ import annotations
+
+import torch
+
+import adaptivespec
+from adaptivespec.tree import draft_tree
+from adaptivespec.types import DraftTree, TreeShape, VerifyResult
+
+
+def compact_cache(cache, start: int, path: list[int], idx: torch.Tensor, tree_size: int) -> None:
+    """Keep only the tree nodes ``path`` of the ``tree_size`` entries appended at ``start``.
+
+    The accepted rows are copied into place ``[start, start + len(path))`` and the rest cropped:
+    ~10x cheaper than an ``index_select`` over the whole cache. ``idx`` is ``path`` as a tensor.
+    A chain accepted from the root (path == 0..k) needs no copy at all.
+    """
+    kept = len(path)
+    if path != list(range(kept)):
+        src = start + idx
+        for layer in cache.layers:
+            layer.keys[:, :, start : start + kept] = layer.keys[:, :, src]
+            layer.values[:, :, start : start + kept] = layer.values[:, :, src]
+    if tree_size > kept:
+        cache.crop(-(tree_size - kept))
+
+
+class TorchRuntime:
+    """Plain-PyTorch execution of prefill, tree drafting, tree verification and cache commit."""
+
+    name = "torch"
+
+    def __init__(self, target, drafter=None, config=None) -> None:
+        self.target = target
+        self.drafter = drafter
+        p = next(target.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.neg = torch.finfo(self.dtype).min
+        self.cache = None
+        self.P = 0
+        self.root: torch.Tensor | None = None  # 0-dim int64
+        self.root_state: torch.Tensor | None = None  # [H]
+        self.root_logp: torch.Tensor | None = None  # [Vd]
+        self._slot_anc: torch.Tensor | None = None  # [slots, slots] bool, drafter tree slots
+
+    # -- prefill --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> int:
+        """Run the prompt; returns the first generated token (the target's greedy choice)."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
+        self.cache = DynamicCache(config=self.target.config)
+        need_hidden = self.drafter is not None
+        out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+        self.root = out.logits[0, -1].argmax()
+        self.P = ids.shape[1]
+        if need_hidden:
+            d = self.drafter
+            d.reset_cache(capacity=self.P + 512)
+            state = d.fuse(out.hidden_states)[0]  # [n, H]
+            tokens = torch.cat([ids[0, 1:], self.root.reshape(1)])  # token[i+1] for position i
+            positions = torch.arange(self.P, device=self.device)
+            self._set_root(d.step(tokens, state, positions, None)[-1])
+        return int(self.root)
+
+    def _set_root(self, state: torch.Tensor) -> None:
+        self.root_state = state
+        self.root_logp = self.drafter.log_probs(state)
+
+    # -- autoregressive ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def ar_step(self) -> int:
+        """One plain greedy decoding step: run the root, return the next token."""
+        out = self.target(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.P += 1
+        self.root = out.logits[0, -1].argmax()
+        return int(self.root)
+
+    # -- speculative step -----------------------------------------------------------------------
+    def draft_top1_prob(self) -> float:
+        """Draft probability of the most likely first token below the root (one host sync)."""
+        return float(self.root_logp.max().exp())
+
+    @torch.inference_mode()
+    def draft(self, shape: TreeShape, rules) -> DraftTree:
+        """Draft a tree of ``shape`` below the root; ``rules`` is the tree policy."""
+        d = self.drafter
+        base = d.length  # == P: committed drafter positions
+        self._slot_anc = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+
+        def expand(tokens, states, parent_slots, depth):
+            b = tokens.shape[0]
+            s_old = self._slot_anc.shape[0]
+            anc = torch.zeros(b, s_old + b, dtype=torch.bool, device=self.device)
+            if s_old:
+                has_parent = (parent_slots >= 0).unsqueeze(1)
+                anc[:, :s_old] = self._slot_anc[parent_slots.clamp(min=0)] & has_parent
+            anc[:, s_old:] = torch.eye(b, dtype=torch.bool, device=self.device)
+            grown = torch.zeros(s_old + b, s_old + b, dtype=torch.bool, device=self.device)
+            grown[:s_old, :s_old] = self._slot_anc
+            grown[s_old:] = anc
+            self._slot_anc = grown
+            mask = torch.zeros(1, 1, b, base + s_old + b, dtype=self.dtype, device=self.device)
+            mask[0, 0, :, base:] = torch.where(anc, 0.0, self.neg).to(self.dtype)
+            positions = torch.full((b,), base + depth - 1, dtype=torch.long, device=self.device)
+            out = d.step(tokens, states, positions, mask)
+            return d.log_probs(out), out
+
+        return draft_tree(shape, self.root, self.root_logp, self.root_state, expand, d.to_target, rules)
+
+    @torch.inference_mode()
+    def verify_forward(self, tree: DraftTree):
+        """One target forward over the tree. Returns (logits [n, V], hidden_states tuple)."""
+        n = tree.size
+        mask = torch.zeros(1, 1, n, self.P + n, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, self.P :] = torch.where(tree.ancestors, 0.0, self.neg).to(self.dtype)
+        positions = (self.P + tree.depth).unsqueeze(0)
+        out = self.target(
+            input_ids=tree.tokens.unsqueeze(0),
+            position_ids=positions,
+            attention_mask=mask,
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        return out.logits[0], out.hidden_states
+
+    @torch.inference_mode()
+    def commit(self, tree: DraftTree, result: VerifyResult, hidden_states) -> None:
+        """Keep only the accepted path in both caches and extend the drafter with it."""
+        path = result.path
+        kept = len(path)
+        idx = torch.tensor(path, dtype=torch.long, device=self.device)
+        compact_cache(self.cache, self.P, path, idx, tree.size)
+        # Drafter: drop the draft slots, then run the accepted pairs (token[i+1], state[i]).
+        d = self.drafter
+        d.length = self.P
+        state = d.fc(torch.cat([hidden_states[i + 1][0, idx] for i in d.aux_layers], dim=-1))  # [kept, H]
+        tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
+        positions = self.P + torch.arange(kept, device=self.device)
+        self._set_root(d.step(tokens, state, positions, None)[-1])
+        self.P += kept
+        self.root = tokens[-1]
+
+
+@adaptivespec.hookimpl
+def adaptivespec_register_runtimes(registry):
+    registry.register(TorchRuntime, name="torch")
