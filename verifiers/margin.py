@@ -1,1 +1,126 @@
-"""Verifier ``margin`` (AdaptiveSpec's margin rule) — being implemented."""
+"""Verifier ``margin``: AdaptiveSpec's per-step margin rule (lossy).
+
+Urbán, Kwon, Venieris, Mascolo, *Margins, Not Windows: Training-Free Per-Step Lossy Speculative
+Decoding* (AdaptiveSpec), section 3, "Margin-based Lossy Verification".
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+import adaptivespec
+from adaptivespec.config import number_in, one_of, positive_int
+from adaptivespec.strategies import Verifier
+from adaptivespec.tree import accepted_path
+from adaptivespec.types import DraftTree, VerifyResult
+from adaptivespec.verifiers.strict import emit, greedy_matches
+
+DEFAULT_KAPPA = 0.5
+"""Provisional default threshold; the paper tunes kappa per (model, task) cell (its Table 8).
+To be replaced by the measured default."""
+
+THRESHOLD_TOL = 1e-6
+"""Slack on the threshold comparisons (log-ratio for ``ratio``, probability gap for ``additive``)
+so that a ratio equal to kappa up to float32 rounding is promoted whatever the logits' offset."""
+
+
+def _optional_positive_int(inst, attribute, value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"expected a positive integer or null, got {value!r}")
+    positive_int(inst, attribute, value)
+
+
+@attrs.frozen(kw_only=True)
+class MarginParams:
+    kappa: float = attrs.field(default=DEFAULT_KAPPA, validator=number_in(0, 1, lo_open=True))
+    """Threshold on p_target(drafted) / p_target(top-1) for the ``ratio`` form; lower = more lossy.
+    kappa = 1 promotes only exact ties with the top-1."""
+    max_promotions: int | None = attrs.field(default=1, validator=_optional_positive_int)
+    """Promotions allowed per step; 1 is the paper's single-position rule, null = unlimited.
+    Below the last allowed promotion the walk is strict."""
+    top_k: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    """If set, a drafted token is promotable only within the target's top-k at its parent
+    (ties with the k-th logit count as inside)."""
+    form: str = attrs.field(default="ratio", validator=one_of("ratio", "additive"))
+    """``ratio``: promote when p(drafted) / p(top-1) >= kappa. ``additive``: promote when
+    p(top-1) - p(drafted) <= delta (needs the target's softmax normaliser)."""
+    delta: float = attrs.field(default=0.1, validator=number_in(0, 1))
+    """Largest probability gap to the top-1 the ``additive`` form promotes (ignored by ``ratio``)."""
+
+
+class MarginVerifier(Verifier):
+    """AdaptiveSpec's margin rule: promote a near-miss drafted token at a mismatch (lossy).
+
+    Walking the draft tree from the root, at every accepted node ``u`` with target top-1 ``t(u)``:
+
+    * **accepted** token: a child whose token equals ``t(u)`` is accepted exactly as in ``strict``;
+    * **promoted** token: when no child matches, the child ``c`` with the highest target
+      probability is accepted anyway if ``p(c | u) / p(t(u) | u) = exp(z_u[c] - z_u[t(u)]) >= kappa``
+      (``form="additive"``: ``p(t(u) | u) - p(c | u) <= delta``; optionally only if ``c`` is in
+      the target's top-k at ``u``). At most ``max_promotions`` per step (the paper: one); the
+      walk then continues below ``c``;
+    * **bonus** token: the target's top-1 at the deepest accepted node, emitted after the path.
+
+    Urbán et al., *Margins, Not Windows* (AdaptiveSpec), sec. 3: a single-position measurement
+    of the target distribution, with no lookahead window (unlike FLy) and no trained verifier.
+    ``VerifyResult.promoted`` counts promoted tokens on the accepted path.
+    """
+
+    name = "margin"
+    lossless = False
+    Params = MarginParams
+
+    def __init__(self, params: MarginParams | None = None) -> None:
+        super().__init__(params)
+        self._log_kappa = math.log(self.params.kappa) - THRESHOLD_TOL
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        p = self.params
+        n, device = tree.tokens.shape[0], logits.device
+        parent = tree.parents.clamp(min=0)  # [n]; the root points at itself and is masked below
+        child, par = torch.arange(1, n, device=device), parent[1:]  # drafted nodes, their parents
+
+        # 1. target scores: top-1 per node, and each drafted token's logit at its parent
+        top1 = logits.argmax(-1)  # [n]
+        z_top = logits.gather(1, top1.unsqueeze(1)).squeeze(1).float()  # [n] z_u[t(u)]
+        z_tok = logits[parent, tree.tokens].float()  # [n] z_parent(i)[token(i)]
+        match = greedy_matches(tree, top1)  # [n] strict rule; match[0] = True
+
+        # 2. per parent: does a child match, and which child scores best (ties: lowest index)
+        has_match = torch.zeros(n, dtype=torch.long, device=device)
+        has_match = has_match.scatter_reduce(0, par, match[1:].long(), "amax") > 0  # [n]
+        best_z = torch.full((n,), -math.inf, device=device).scatter_reduce(0, par, z_tok[1:], "amax")
+        is_top = torch.where(z_tok[1:] == best_z[par], child, n)
+        first = torch.full((n,), n, dtype=torch.long, device=device).scatter_reduce(0, par, is_top, "amin")
+        best = torch.zeros(n, dtype=torch.bool, device=device)
+        best[1:] = first[par] == child  # [n] the one best-scoring child of its parent
+
+        # 3. the margin test for that child
+        if p.form == "ratio":  # log p(c)/p(t) = z_c - z_t: no softmax needed
+            passes = z_tok - z_top[parent] >= self._log_kappa
+        else:  # p(t) - p(c), with p = exp(z - logsumexp(z))
+            log_norm = torch.logsumexp(logits.float(), -1)[parent]  # [n]
+            gap = torch.exp(z_top[parent] - log_norm) - torch.exp(z_tok - log_norm)
+            passes = gap <= p.delta + THRESHOLD_TOL
+        if p.top_k is not None:  # inside the target's top-k at the parent
+            kth = logits.topk(min(p.top_k, logits.shape[-1]), -1).values[:, -1].float()  # [n]
+            passes = passes & (z_tok >= kth[parent])
+        promoted = best & ~match & ~has_match[parent] & passes  # [n]; False at the root
+
+        # 4. eligible nodes form one path; count promotions along it, cap, take the deepest
+        n_promoted = tree.ancestors.float() @ promoted.float()  # [n] promotions on root..i
+        ok = match | promoted
+        if p.max_promotions is not None:
+            ok = ok & (n_promoted <= p.max_promotions)
+        last = accepted_path(tree, ok)
+        return emit(tree, last, top1[last], n_promoted[last].long())
+
+
+@adaptivespec.hookimpl
+def adaptivespec_register_verifiers(registry):
+    registry.register(MarginVerifier)

@@ -1,0 +1,430 @@
+"""Pure-torch glue between adaptivespec strategies and SGLang's EAGLE worker (no sglang import).
+
+Three pieces, each usable on CPU with tensors laid out as SGLang lays them out:
+
+* :class:`TripletController` -- wraps one :class:`~adaptivespec.strategies.TreePolicy`: reads the
+  signals of a step from the draft input (``EagleDraftInput.topk_p``), returns the step's
+  ``(nsteps, topk, ndt)`` and feeds the policy a :class:`~adaptivespec.types.StepRecord` when the
+  scheduler reports the accept lengths.
+* :class:`ShapeStateBank` -- one pre-built runtime state per selectable triplet (graph runners and
+  attention backends on a GPU, opaque objects in tests), with a loud error naming the captured keys.
+* :func:`wrap_verify` -- runs an adaptivespec :class:`~adaptivespec.strategies.Verifier` on SGLang's
+  verify inputs and returns ``(predict, accept_lens, accept_index)`` exactly as ``eagle_sample`` does.
+
+SGLang's tree layout (``build_tree_kernel_efficient`` in ``sglang/srt/speculative/eagle_utils.py``,
+kernel ``sglang/kernels/ops/speculative/spec_tree.py``), per request ``b`` of a verify batch of
+``ndt`` tokens each::
+
+    candidates[b, i]             # token of node i; node 0 is the root (the last committed token)
+    retrieve_index[b, i]         # b * ndt + i: the node's row in predict / logits
+    retrieve_next_token[b, i]    # first child of node i (-1: a leaf)
+    retrieve_next_sibling[b, i]  # next sibling of node i (-1: the last one)
+
+Children are chained in increasing node order and a parent precedes its children. The greedy
+verifier (``verify_tree_greedy_func``) walks this tree and writes::
+
+    predict[bs * ndt]            # int32; at each accepted node's row, the token emitted after it
+    accept_index[bs, nsteps + 1] # int32; rows of the accepted path, root first, -1 padded
+    accept_lens[bs]              # int32; accepted drafted tokens + 1 (the bonus token)
+
+so that the emitted tokens are ``predict[accept_index]``.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
+
+import attrs
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
+from adaptivespec.strategies import TreePolicy, Verifier
+from adaptivespec.tree import make_tree
+from adaptivespec.types import StepRecord, StepSignals, TreeShape
+
+BATCH_REDUCERS = ("mean", "min", "max")
+"""How a batch's per-request signals become the one value a batch-wide shape is chosen from."""
+
+S = TypeVar("S")
+
+
+def format_shapes(shapes: Iterable[TreeShape]) -> str:
+    return ", ".join(str(s) for s in sorted(shapes)) or "(none)"
+
+
+def sglang_shape_problem(shape: TreeShape) -> str | None:
+    """Why SGLang's EAGLE worker cannot run ``shape``, as a sentence; None when it can.
+
+    SGLang's topk=1 path drafts a plain chain and keeps every drafted token (its server-argument
+    hook forces ``ndt = nsteps + 1`` and ``_rebuild_topk1_chain_buffers`` asserts it).
+    """
+    if shape.topk == 1 and shape.ndt != shape.nsteps + 1:
+        return f"{shape}: SGLang's topk=1 chain path needs ndt == nsteps + 1 (here {shape.nsteps + 1})"
+    return None
+
+
+def _reduce(values: Sequence[float], how: str) -> float:
+    if how == "min":
+        return min(values)
+    if how == "max":
+        return max(values)
+    return sum(values) / len(values)
+
+
+# -- the per-step controller ---------------------------------------------------------------------
+def draft_top1_prob(topk_p: torch.Tensor, reduce: str = "mean") -> float:
+    """The draft's top-1 probability of a step's first level, one number for the batch.
+
+    ``topk_p``: [bs, k] probabilities of the root's k best children (``EagleDraftInput.topk_p``;
+    SGLang sorts them, the max is taken anyway). One device-to-host transfer.
+    """
+    per_request = topk_p.float().amax(dim=-1).tolist()  # [bs]
+    return float(_reduce(per_request, reduce))
+
+
+@attrs.define(eq=False)
+class _PendingStep:
+    """A step whose shape was chosen and whose accept lengths have not come back yet."""
+
+    step: int
+    epoch: int  # the controller's reset count when the step began
+    shape: TreeShape
+    signals: StepSignals
+    policy_state: dict[str, Any]
+    promoted: list[int] | None = None
+
+
+class TripletController:
+    """Asks one tree policy for each step's ``(nsteps, topk, ndt)`` in an SGLang worker.
+
+    Per decode step the worker calls :meth:`begin_step` with the draft input's ``topk_p`` before
+    drafting, and :meth:`observe` with the accept lengths when the scheduler has them on the host
+    (``on_verify_complete_cpu``). Results come back in launch order, so pending steps form a FIFO:
+    with SGLang's overlap scheduler the accept lengths of step t arrive after step t+1 began and the
+    policy's ``last_accepted`` then lags one step (``adaptivespec serve`` disables overlap).
+
+    **Batches.** One CUDA graph serves the whole batch, so one shape is chosen per batch: the draft
+    top-1 probabilities and the accepted lengths of the requests are reduced with
+    ``batch_reduce`` (``mean`` by default; ``min`` picks the shape the least confident request
+    wants: wider, shallower trees). At batch size 1 (the paper's setting) every reducer is exact.
+
+    **Sequences.** :meth:`TreePolicy.reset` is called when a step's request ids share none with
+    the previous step's (a new request at batch size 1). The circuit breaker lives in the policy
+    (the ``dcs`` policy restores its start shape after consecutive zero-accept steps): the
+    controller feeds it every step's record, zero-accept steps included.
+    """
+
+    def __init__(
+        self,
+        policy: TreePolicy,
+        *,
+        batch_reduce: str = "mean",
+        on_record: Callable[[StepRecord], None] | None = None,
+    ) -> None:
+        if batch_reduce not in BATCH_REDUCERS:
+            raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
+        shapes = tuple(sorted(set(policy.shapes())))
+        if not shapes:
+            raise AdaptiveSpecError(f"policy {policy.name!r} declares no tree shapes")
+        problems = [p for p in map(sglang_shape_problem, shapes) if p]
+        if problems:
+            raise AdaptiveSpecError(f"policy {policy.name!r} declares shapes SGLang cannot run: " + "; ".join(problems))
+        self.policy = policy
+        self.shapes = shapes
+        self.batch_reduce = batch_reduce
+        self.on_record = on_record
+        self.last_record: StepRecord | None = None
+        self._pending: collections.deque[_PendingStep] = collections.deque()
+        self._epoch = 0
+        self._step = 0
+        self._last_accepted = -1
+        self._last_requests: frozenset | None = None
+
+    def reset(self) -> None:
+        """Start a new sequence: the policy forgets its history; steps still in flight are dropped."""
+        self.policy.reset()
+        self._epoch += 1
+        self._step = 0
+        self._last_accepted = -1
+
+    def begin_step(self, topk_p: torch.Tensor, request_ids: Iterable[Any] | None = None) -> TreeShape | None:
+        """The shape of the step about to be drafted; None for an empty (idle) batch.
+
+        ``topk_p``: [bs, k_max] first-level draft probabilities; ``request_ids``: the batch's
+        request ids (for sequence boundaries), or None to never reset here.
+        """
+        if topk_p.shape[0] == 0:
+            return None
+        if request_ids is not None:
+            ids = frozenset(request_ids)
+            if self._last_requests is not None and not (ids & self._last_requests):
+                self.reset()
+            self._last_requests = ids
+        signals = StepSignals(
+            step=self._step,
+            draft_top1_prob=draft_top1_prob(topk_p, self.batch_reduce),
+            last_accepted=self._last_accepted,
+        )
+        shape = self.policy.next_shape(signals)
+        if shape not in self.shapes:
+            raise ShapeNotInBankError(
+                f"policy {self.policy.name!r} chose {shape}, which is not among the shapes it declared "
+                f"(and that were captured): {format_shapes(self.shapes)}"
+            )
+        self._pending.append(_PendingStep(self._step, self._epoch, shape, signals, dict(self.policy.state())))
+        self._step += 1
+        return shape
+
+    def note_promoted(self, promoted_per_request: Sequence[int]) -> None:
+        """Promoted (lossy-accepted) tokens per request of the newest step, from the verifier."""
+        if self._pending:
+            self._pending[-1].promoted = list(promoted_per_request)
+
+    def observe(self, num_correct_drafts_per_req: Sequence[int]) -> StepRecord | None:
+        """Feed the oldest pending step's accepted drafted tokens (bonus excluded) to the policy.
+
+        Returns its record; None when no step was pending (an idle batch) or the step belonged to
+        a sequence that was reset since.
+        """
+        if not num_correct_drafts_per_req or not self._pending:
+            return None
+        p = self._pending.popleft()
+        if p.epoch != self._epoch:
+            return None
+        accepted = int(_reduce([int(a) for a in num_correct_drafts_per_req], self.batch_reduce))
+        promoted = int(_reduce(p.promoted, self.batch_reduce)) if p.promoted else 0
+        record = StepRecord(
+            step=p.step,
+            shape=p.shape,
+            tree_size=p.shape.ndt,
+            accepted=accepted,
+            promoted=promoted,
+            new_tokens=accepted + 1,
+            draft_ms=0.0,  # not timed inside the server: timing would add a device sync per phase
+            verify_ms=0.0,
+            other_ms=0.0,
+            signals=p.signals,
+            policy_state=p.policy_state,
+        )
+        self.policy.observe(record)
+        self._last_accepted = accepted
+        self.last_record = record
+        if self.on_record is not None:
+            self.on_record(record)
+        return record
+
+
+def build_strategies(config, host=None) -> tuple[TreePolicy, Verifier | None]:
+    """The config's policy, and its verifier unless it is ``strict`` (then SGLang's own greedy
+    kernel verifies: same result, no host round trip). ``config``: :class:`~adaptivespec.config.Config`."""
+    if host is None:
+        from adaptivespec.plugins import get_plugin_host
+
+        host = get_plugin_host()
+    policy = host.policies.get(config.policy.name).cls(config.policy.params)
+    if config.verifier.name == "strict":
+        return policy, None
+    return policy, host.verifiers.get(config.verifier.name).cls(config.verifier.params)
+
+
+# -- the bank of per-shape runtime states --------------------------------------------------------
+def kv_alloc_len_per_decode(shape: TreeShape, page_size: int, max_ndt: int) -> int:
+    """KV slots one request may take in one decode step of ``shape`` (mirrors SGLang's
+    ``get_alloc_len_per_decode`` in ``sglang/srt/mem_cache/allocation_sizing.py``: the draft
+    writes ``nsteps * topk`` slots, the verify ``ndt``; with pages and topk > 1 every branch
+    rounds up to whole pages)."""
+    if page_size == 1 or shape.topk == 1:
+        return max(shape.nsteps * shape.topk, max_ndt)
+    pages_per_branch = (page_size - 1 + shape.nsteps + page_size - 1) // page_size
+    return max(pages_per_branch * page_size * shape.topk, max_ndt)
+
+
+class ShapeStateBank(Generic[S]):
+    """One pre-built runtime state per ``(nsteps, topk, ndt)`` triplet, keyed by the whole triplet.
+
+    SGLang's own ``--speculative-adaptive`` keys its states by ``num_steps`` alone (topk = 1); the
+    paper swaps among trees that differ in width too, so the key here is the full
+    :class:`TreeShape`. States are built once at start-up (:meth:`build_missing`) and looked up
+    every step (:meth:`get`), which fails loudly with the captured keys.
+    """
+
+    def __init__(self, shapes: Iterable[TreeShape]) -> None:
+        self.shapes = tuple(sorted(set(shapes)))
+        if not self.shapes:
+            raise AdaptiveSpecError("a shape bank needs at least one tree shape")
+        problems = [p for p in map(sglang_shape_problem, self.shapes) if p]
+        if problems:
+            raise AdaptiveSpecError("shapes SGLang cannot run: " + "; ".join(problems))
+        self._states: dict[TreeShape, S] = {}
+
+    def register(self, shape: TreeShape, state: S) -> None:
+        if shape not in self.shapes:
+            raise ShapeNotInBankError(f"{shape} is not one of this bank's shapes: {format_shapes(self.shapes)}")
+        self._states[shape] = state
+
+    def build_missing(self, build: Callable[[TreeShape], S]) -> list[TreeShape]:
+        """Build and register a state for every shape without one, in shape order; returns them."""
+        built = [s for s in self.shapes if s not in self._states]
+        for shape in built:
+            self.register(shape, build(shape))
+        return built
+
+    def get(self, shape: TreeShape) -> S:
+        try:
+            return self._states[shape]
+        except KeyError:
+            missing = [s for s in self.shapes if s not in self._states]
+            hint = f"; declared but not built: {format_shapes(missing)}" if missing else ""
+            raise ShapeNotInBankError(
+                f"no runtime state for tree shape {shape}; captured shapes: {format_shapes(self._states)}{hint}"
+            ) from None
+
+    def keys(self) -> tuple[TreeShape, ...]:
+        """Shapes that have a state."""
+        return tuple(sorted(self._states))
+
+    def missing(self) -> tuple[TreeShape, ...]:
+        return tuple(s for s in self.shapes if s not in self._states)
+
+    def __contains__(self, shape: object) -> bool:
+        return shape in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def max_shape(self) -> TreeShape:
+        """The element-wise largest triplet: every buffer SGLang sizes from its server arguments
+        at start-up (attention backends, KV headroom, draft-input relay) fits every bank shape
+        when the server starts with it. A valid shape, since ``max_nodes`` grows with both depth
+        and width."""
+        return TreeShape(
+            max(s.nsteps for s in self.shapes), max(s.topk for s in self.shapes), max(s.ndt for s in self.shapes)
+        )
+
+    def max_topk(self) -> int:
+        return max(s.topk for s in self.shapes)
+
+    def kv_alloc_len_per_decode(self, page_size: int = 1) -> int:
+        """KV slots per request and decode step that cover every shape of the bank: reserved
+        before the policy picks the step's shape, so it must fit the largest."""
+        max_ndt = max(s.ndt for s in self.shapes)
+        return max(kv_alloc_len_per_decode(s, page_size, max_ndt) for s in self.shapes)
+
+
+# -- verification ----------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class SGLangVerifyOutput:
+    """What ``eagle_sample`` returns, plus what the controller records."""
+
+    predict: torch.Tensor  # [bs * ndt] int32; at each accepted node's row, the token emitted after it
+    accept_lens: torch.Tensor  # [bs] int32; accepted drafted tokens + 1 (bonus)
+    accept_index: torch.Tensor  # [bs, nsteps + 1] int32; rows of the accepted path, -1 padded
+    accepted: tuple[int, ...]  # per request: accepted drafted tokens
+    promoted: tuple[int, ...]  # per request: accepted tokens that are not the target's greedy choice
+
+    @property
+    def num_correct_drafts(self) -> torch.Tensor:
+        """SGLang's name for ``accept_lens - 1``."""
+        return self.accept_lens - 1
+
+
+def parents_from_retrieve(next_token: Sequence[int], next_sibling: Sequence[int]) -> list[int]:
+    """Parent of every node of one request's tree (-1 for the root and for unreachable nodes)."""
+    n = len(next_token)
+    parents = [-1] * n
+    for p in range(n):
+        child = next_token[p]
+        hops = 0
+        while child != -1 and hops < n:
+            parents[child] = p
+            child = next_sibling[child]
+            hops += 1
+    return parents
+
+
+def retrieve_from_parents(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's ``(retrieve_index, retrieve_next_token, retrieve_next_sibling)`` of trees given by
+    parent indices ``parents`` [bs, ndt] (``parents[:, 0] == -1``, topologically ordered):
+    children chained in increasing node order, as ``build_tree_kernel_efficient`` leaves them."""
+    bs, n = parents.shape
+    index = torch.arange(bs * n, dtype=torch.long).reshape(bs, n)
+    next_token = torch.full((bs, n), -1, dtype=torch.long)
+    next_sibling = torch.full((bs, n), -1, dtype=torch.long)
+    rows = parents.tolist()
+    for b in range(bs):
+        for i in range(n - 1, 0, -1):  # prepend children last-to-first: the list ends up ascending
+            p = rows[b][i]
+            next_sibling[b, i] = next_token[b, p]
+            next_token[b, p] = i
+    return index, next_token, next_sibling
+
+
+def wrap_verify(
+    verifier: Verifier,
+    *,
+    candidates: torch.Tensor,
+    retrieve_index: torch.Tensor,
+    retrieve_next_token: torch.Tensor,
+    retrieve_next_sibling: torch.Tensor,
+    logits: torch.Tensor,
+    spec_steps: int,
+    topk: int,
+) -> SGLangVerifyOutput:
+    """Verify SGLang-laid-out trees with an adaptivespec verifier; outputs as ``eagle_sample``'s.
+
+    ``candidates`` / ``retrieve_*``: [bs, ndt] (``EagleVerifyInput.draft_token`` reshaped, and its
+    ``retrieve_*`` fields); ``logits``: [bs * ndt, V] target logits of every node, after SGLang's
+    penalties and grammar mask; ``spec_steps`` / ``topk``: the step's ``nsteps`` / ``topk``.
+    The tree structure crosses to the host once; each request's verifier call works on its own
+    slice of ``logits`` (on their device). Nodes SGLang left without a parent are never accepted.
+    """
+    bs, ndt = candidates.shape
+    if logits.shape[0] != bs * ndt:
+        raise ValueError(f"logits: expected {bs * ndt} rows (bs={bs} x ndt={ndt}), got {logits.shape[0]}")
+    shape = TreeShape(spec_steps, topk, ndt)
+    device = logits.device
+    host = torch.stack([candidates.long(), retrieve_index.long(), retrieve_next_token.long(), retrieve_next_sibling.long()]).cpu()
+    tokens_h, index_h, next_h, sib_h = (t.tolist() for t in host)
+    rows = logits.view(bs, ndt, -1)
+
+    set_rows: list[int] = []
+    set_tokens: list[int] = []
+    accept_index = torch.full((bs, spec_steps + 1), -1, dtype=torch.int32)
+    accepted, promoted = [], []
+    for b in range(bs):
+        parents = parents_from_retrieve(next_h[b], sib_h[b])
+        keep, reachable = [0], {0}  # reachable nodes in node order; parents precede children
+        for i in range(1, ndt):
+            if parents[i] >= i:
+                raise ValueError(f"request {b}: node {i} has parent {parents[i]}; SGLang trees list parents first")
+            if parents[i] in reachable:
+                keep.append(i)
+                reachable.add(i)
+        slot = {node: k for k, node in enumerate(keep)}
+        tree = make_tree(
+            torch.tensor([tokens_h[b][i] for i in keep], device=device),
+            torch.tensor([-1] + [slot[parents[i]] for i in keep[1:]], device=device),
+            shape,
+        )
+        keep_t = torch.tensor(keep, device=device)
+        result = verifier.verify(tree, rows[b].index_select(0, keep_t))
+        if len(result.path) > spec_steps + 1 or len(result.tokens) != len(result.path):
+            raise ValueError(f"{verifier.name}: path of {len(result.path)} nodes in a tree of depth {spec_steps}")
+        path = [keep[k] for k in result.path]
+        for j, node in enumerate(path):
+            accept_index[b, j] = index_h[b][node]
+            set_rows.append(index_h[b][node])  # predict at a node = the token emitted after it
+            set_tokens.append(result.tokens[j])
+        accepted.append(len(path) - 1)
+        promoted.append(int(result.promoted))
+
+    predict = torch.zeros(bs * ndt, dtype=torch.int32, device=device)
+    predict[torch.tensor(set_rows, device=device)] = torch.tensor(set_tokens, dtype=torch.int32, device=device)
+    return SGLangVerifyOutput(
+        predict=predict,
+        accept_lens=torch.tensor(accepted, dtype=torch.int32, device=device) + 1,
+        accept_index=accept_index.to(device),
+        accepted=tuple(accepted),
+        promoted=tuple(promoted),
+    )

@@ -1,0 +1,63 @@
+"""Shared fixtures: the embedded target in float32 and drafter heads for tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+PROMPTS = [
+    "What is 12 times 7? Explain briefly.",
+    "Write a Python function that returns the factorial of n.",
+    "Name three colors of the rainbow.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Translate 'good morning' into French and Spanish.",
+]
+
+
+@pytest.fixture(scope="session")
+def smol32():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct in float32."""
+    from adaptivespec.models import load_target
+
+    return load_target("smollm2-135m-instruct", "float32")
+
+
+@pytest.fixture(scope="session")
+def random_head_dir(smol32, tmp_path_factory):
+    """A randomly initialised EAGLE-3 head written in the checkpoint layout."""
+    from adaptivespec.drafter import Eagle3Drafter
+
+    out = tmp_path_factory.mktemp("random-head")
+    Eagle3Drafter.random_init(smol32[0], 8192, seed=0).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def full_vocab_head_dir(smol32, tmp_path_factory):
+    """A random head over the whole target vocabulary (any token can be drafted)."""
+    from adaptivespec.drafter import Eagle3Drafter
+
+    out = tmp_path_factory.mktemp("full-head")
+    Eagle3Drafter.random_init(smol32[0], smol32[0].config.vocab_size, seed=1).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(smol32):
+    """prompt text -> (prompt ids, transformers' greedy generate ids), cached per max_new_tokens."""
+    from adaptivespec.models import encode_prompt
+
+    model, tok = smol32
+    cache: dict = {}
+
+    def ref(text: str, max_new_tokens: int = 48):
+        key = (text, max_new_tokens)
+        if key not in cache:
+            ids = encode_prompt(tok, text)
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            cache[key] = (ids, out[0, len(ids):].tolist())
+        return cache[key]
+
+    return ref

@@ -1,0 +1,396 @@
+"""adaptivespec.sglang.policy_bridge on CPU, with tensors laid out as SGLang 0.5.23 lays them out.
+
+The SGLang-side reference code here (drafting a tree the way ``draft_forward`` /
+``organize_draft_results`` do, linking it the way ``build_tree_kernel_efficient`` does, verifying it
+the way ``verify_tree_greedy_func`` does) is written for this test from the kernels' semantics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
+from adaptivespec.policies.static import StaticParams, StaticPolicy
+from adaptivespec.sglang.policy_bridge import (
+    ShapeStateBank,
+    TripletController,
+    kv_alloc_len_per_decode,
+    parents_from_retrieve,
+    retrieve_from_parents,
+    sglang_shape_problem,
+    wrap_verify,
+)
+from adaptivespec.strategies import TreePolicy, Verifier
+from adaptivespec.types import StepRecord, StepSignals, TreeShape, VerifyResult
+from adaptivespec.verifiers.strict import StrictVerifier
+
+WIDE, MID, DEEP = TreeShape(3, 4, 4), TreeShape(5, 2, 6), TreeShape(7, 1, 8)
+
+
+class StubPolicy(TreePolicy):
+    """Deep when the draft is confident, wide when not; back to MID after 2 zero-accept steps."""
+
+    name = "stub"
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.seen: list[StepSignals] = []
+        self.records: list[StepRecord] = []
+        self.resets = 0
+        self.zeros = 0
+
+    def shapes(self):
+        return (WIDE, MID, DEEP)
+
+    def reset(self):
+        self.resets += 1
+        self.zeros = 0
+
+    def next_shape(self, signals):
+        self.seen.append(signals)
+        if self.zeros >= 2:  # circuit breaker
+            self.zeros = 0
+            return MID
+        return DEEP if signals.draft_top1_prob >= 0.8 else WIDE if signals.draft_top1_prob < 0.4 else MID
+
+    def observe(self, record):
+        self.records.append(record)
+        self.zeros = self.zeros + 1 if record.accepted == 0 else 0
+
+    def state(self):
+        return {"zeros": self.zeros}
+
+
+def probs(*top1: float, k: int = 4) -> torch.Tensor:
+    """[bs, k] first-level draft probabilities, sorted, with the given top-1 values."""
+    rows = [[p] + [(1 - p) / k] * (k - 1) for p in top1]
+    return torch.tensor(rows)
+
+
+# -- controller ----------------------------------------------------------------------------------
+def test_triplet_follows_the_policy_and_feeds_it_records():
+    policy = StubPolicy()
+    records = []
+    c = TripletController(policy, on_record=records.append)
+    assert c.shapes == (WIDE, MID, DEEP)
+    assert c.begin_step(probs(0.9)) == DEEP
+    rec = c.observe([5])
+    assert (rec.shape, rec.accepted, rec.new_tokens, rec.tree_size, rec.step) == (DEEP, 5, 6, 8, 0)
+    assert rec.signals == StepSignals(step=0, draft_top1_prob=pytest.approx(0.9), last_accepted=-1)
+    assert rec.policy_state == {"zeros": 0} and records == [rec] and policy.records == [rec]
+    assert c.begin_step(probs(0.1)) == WIDE
+    assert policy.seen[-1].step == 1 and policy.seen[-1].last_accepted == 5
+
+
+def test_static_policy_gives_its_shape_every_step():
+    c = TripletController(StaticPolicy(StaticParams(nsteps=5, topk=4, ndt=8)))
+    for p in (0.99, 0.01, 0.5):
+        assert c.begin_step(probs(p)) == TreeShape(5, 4, 8)
+        assert c.observe([1]).shape == TreeShape(5, 4, 8)
+
+
+def test_circuit_breaker_of_the_policy_sees_zero_accept_steps():
+    policy = StubPolicy()
+    c = TripletController(policy)
+    for _ in range(2):
+        assert c.begin_step(probs(0.95)) == DEEP
+        c.observe([0])
+    assert c.begin_step(probs(0.95)) == MID  # the policy's breaker tripped
+    assert [r.accepted for r in policy.records] == [0, 0]
+
+
+def test_pending_steps_pair_with_accepts_in_launch_order():
+    """Overlap scheduling: step t+1 begins before step t's accept lengths arrive."""
+    c = TripletController(StubPolicy())
+    c.begin_step(probs(0.9))
+    c.begin_step(probs(0.1))
+    c.note_promoted([2])
+    first, second = c.observe([4]), c.observe([1])
+    assert (first.shape, first.accepted, first.promoted) == (DEEP, 4, 0)
+    assert (second.shape, second.accepted, second.promoted) == (WIDE, 1, 2)
+    assert c.observe([3]) is None  # nothing pending
+
+
+def test_new_request_resets_the_policy_and_drops_stale_steps():
+    policy = StubPolicy()
+    c = TripletController(policy)
+    c.begin_step(probs(0.9), request_ids=["a"])
+    c.observe([3])
+    c.begin_step(probs(0.9), request_ids=["a"])  # in flight when the request finishes
+    assert policy.resets == 0
+    c.begin_step(probs(0.1), request_ids=["b"])
+    assert policy.resets == 1 and policy.seen[-1].step == 0 and policy.seen[-1].last_accepted == -1
+    assert c.observe([7]) is None  # request a's last step: not fed to the reset policy
+    rec = c.observe([2])
+    assert (rec.step, rec.shape, rec.accepted) == (0, WIDE, 2)
+    c.begin_step(probs(0.5), request_ids=["b", "c"])  # c joins b: same sequence for the policy
+    assert policy.resets == 1
+
+
+@pytest.mark.parametrize(("reduce", "top1", "accepted"), [("mean", 0.5, 2), ("min", 0.2, 0), ("max", 0.9, 5)])
+def test_batch_reduction(reduce, top1, accepted):
+    policy = StubPolicy()
+    c = TripletController(policy, batch_reduce=reduce)
+    c.begin_step(probs(0.2, 0.4, 0.9))
+    assert policy.seen[-1].draft_top1_prob == pytest.approx(top1)
+    assert c.observe([0, 2, 5]).accepted == accepted
+
+
+def test_idle_batches_neither_choose_nor_observe():
+    policy = StubPolicy()
+    c = TripletController(policy)
+    assert c.begin_step(torch.empty(0, 4)) is None
+    assert c.observe([]) is None
+    assert policy.seen == [] and policy.records == []
+
+
+def test_undeclared_shape_and_unrunnable_shapes_are_refused():
+    class Liar(StubPolicy):
+        def next_shape(self, signals):
+            return TreeShape(4, 2, 5)
+
+    with pytest.raises(ShapeNotInBankError, match=r"\(4,2,5\).*\(3,4,4\), \(5,2,6\), \(7,1,8\)"):
+        TripletController(Liar()).begin_step(probs(0.5))
+
+    class Chain(StubPolicy):
+        def shapes(self):
+            return (TreeShape(7, 1, 6),)
+
+    with pytest.raises(AdaptiveSpecError, match=r"\(7,1,6\).*ndt == nsteps \+ 1"):
+        TripletController(Chain())
+    with pytest.raises(AdaptiveSpecError, match="batch_reduce"):
+        TripletController(StubPolicy(), batch_reduce="median")
+    assert sglang_shape_problem(DEEP) is None and sglang_shape_problem(WIDE) is None
+
+
+# -- bank ----------------------------------------------------------------------------------------
+def test_bank_builds_every_shape_and_names_captured_keys_when_one_is_missing():
+    bank = ShapeStateBank([DEEP, WIDE, MID, WIDE])
+    assert bank.shapes == (WIDE, MID, DEEP)
+    live = object()
+    bank.register(DEEP, live)
+    built = bank.build_missing(lambda s: f"graphs{s}")
+    assert built == [WIDE, MID] and bank.keys() == (WIDE, MID, DEEP) and len(bank) == 3
+    assert bank.get(DEEP) is live and bank.get(MID) == "graphs(5,2,6)"
+    with pytest.raises(ShapeNotInBankError, match=r"\(4,2,5\); captured shapes: \(3,4,4\), \(5,2,6\), \(7,1,8\)"):
+        bank.get(TreeShape(4, 2, 5))
+    with pytest.raises(ShapeNotInBankError, match="not one of this bank's shapes"):
+        bank.register(TreeShape(4, 2, 5), None)
+
+
+def test_bank_lookup_error_lists_shapes_not_built_yet():
+    bank = ShapeStateBank([WIDE, DEEP])
+    bank.register(WIDE, 1)
+    with pytest.raises(ShapeNotInBankError, match=r"captured shapes: \(3,4,4\); declared but not built: \(7,1,8\)"):
+        bank.get(DEEP)
+
+
+def test_bank_max_shape_and_kv_reservation():
+    bank = ShapeStateBank([WIDE, MID, DEEP])
+    assert bank.max_shape() == TreeShape(7, 4, 8) and bank.max_topk() == 4
+    # page 1: max(nsteps * topk, largest ndt) over the shapes = max(12, 10, 7, 8)
+    assert bank.kv_alloc_len_per_decode(1) == 12
+    # page 16, topk > 1: whole pages per branch: (15 + 3 + 15) // 16 = 2 pages * 16 * 4 branches
+    assert kv_alloc_len_per_decode(WIDE, 16, 8) == 128 and kv_alloc_len_per_decode(DEEP, 16, 8) == 8
+    assert bank.kv_alloc_len_per_decode(16) == 128
+    with pytest.raises(AdaptiveSpecError):
+        ShapeStateBank([])
+
+
+# -- SGLang-side reference: draft, link and greedily verify trees ----------------------------------
+def sglang_draft(bs: int, shape: TreeShape, vocab: int, gen: torch.Generator):
+    """Draft trees as EAGLE's draft_forward + organize_draft_results do, from random draft
+    distributions. Returns (parent_list [bs, *], top_scores_index [bs, ndt-1], draft_tokens)."""
+    k = shape.topk
+
+    def topk_probs(rows: int):
+        p = torch.rand(rows, vocab, generator=gen).pow(4).softmax(-1)
+        return torch.topk(p, k, dim=-1)
+
+    p0, t0 = topk_probs(bs)
+    score_levels, token_levels = [p0.unsqueeze(1)], [t0]
+    parent_levels = [torch.arange(-1, k).expand(bs, -1)]
+    beam = p0  # cumulative probability of the beam expanded next
+    for i in range(1, shape.nsteps):
+        p, t = topk_probs(bs * k)
+        expanded = beam.unsqueeze(2) * p.view(bs, k, k)  # [bs, beam, children]
+        beam, chosen = torch.topk(expanded.flatten(1), k, dim=-1)
+        score_levels.append(expanded)
+        token_levels.append(t.view(bs, k * k))
+        parent_levels.append(chosen + k * k * (i - 1) + k)  # the chosen nodes' positions
+    scores = torch.cat([s.flatten(1) for s in score_levels], dim=1)
+    tokens = torch.cat(token_levels, dim=1)
+    top = torch.sort(torch.topk(scores, shape.ndt - 1, dim=-1).indices).values
+    parent_list = torch.cat(parent_levels[:-1], dim=1) if shape.nsteps > 1 else torch.empty(bs, 0, dtype=torch.long)
+    return parent_list, top, torch.gather(tokens, 1, top)
+
+
+def sglang_link(parent_list: torch.Tensor, top: torch.Tensor, topk: int, ndt: int):
+    """retrieve_index / next_token / next_sibling as build_tree_kernel_efficient writes them."""
+    bs = top.shape[0]
+    index = torch.arange(bs * ndt).view(bs, ndt)
+    next_token = torch.full((bs, ndt), -1, dtype=torch.long)
+    next_sibling = torch.full((bs, ndt), -1, dtype=torch.long)
+    for b in range(bs):
+        for i in range(ndt - 1, 0, -1):
+            parent_slot = int(top[b, i - 1]) // topk
+            if parent_slot == 0:
+                pos = 0
+            else:
+                hits = (top[b] == parent_list[b, parent_slot]).nonzero()
+                if len(hits) == 0:
+                    continue
+                pos = int(hits[0]) + 1
+            first = int(next_token[b, pos])
+            next_token[b, pos] = i
+            if first != -1:
+                next_sibling[b, i] = first
+    return index, next_token, next_sibling
+
+
+def sglang_verify_greedy(candidates, index, next_token, next_sibling, target_predict, width):
+    """verify_tree_greedy_func: walk the first-child / next-sibling lists, accept the child that
+    equals the target's token at the last accepted node."""
+    bs, ndt = candidates.shape
+    flat_target = target_predict.flatten()
+    predict = torch.zeros(bs * ndt, dtype=torch.int32)
+    accept_index = torch.full((bs, width), -1, dtype=torch.int32)
+    accept_lens = torch.zeros(bs, dtype=torch.int32)
+    for b in range(bs):
+        last = int(index[b, 0])
+        accept_index[b, 0] = last
+        accepted, cur = 0, 0
+        for _ in range(1, width):
+            cur = int(next_token[b, cur])
+            want = int(flat_target[last])
+            while cur != -1 and int(candidates[b, cur]) != want:
+                cur = int(next_sibling[b, cur])
+            if cur == -1:
+                break
+            predict[last] = want
+            accepted += 1
+            last = int(index[b, cur])
+            accept_index[b, accepted] = last
+        predict[last] = int(flat_target[last])
+        accept_lens[b] = accepted + 1
+    return predict, accept_index, accept_lens
+
+
+def target_logits(candidates, next_token, next_sibling, vocab, gen, p_follow=0.8):
+    """[bs*ndt, V] logits whose argmax usually is one of the node's children (deep accepts)."""
+    bs, ndt = candidates.shape
+    logits = torch.randn(bs * ndt, vocab, generator=gen) * 0.1
+    for b in range(bs):
+        for i in range(ndt):
+            kids, c = [], int(next_token[b, i])
+            while c != -1:
+                kids.append(int(candidates[b, c]))
+                c = int(next_sibling[b, c])
+            follow = kids and float(torch.rand(1, generator=gen)) < p_follow
+            pick = kids[int(torch.randint(len(kids), (1,), generator=gen))] if follow else int(torch.randint(vocab, (1,), generator=gen))
+            logits[b * ndt + i, pick] = 5.0
+    return logits
+
+
+def sglang_case(bs, shape, seed, vocab=64):
+    gen = torch.Generator().manual_seed(seed)
+    parent_list, top, draft_tokens = sglang_draft(bs, shape, vocab, gen)
+    index, next_token, next_sibling = sglang_link(parent_list, top, shape.topk, shape.ndt)
+    root = torch.randint(vocab, (bs, 1), generator=gen)
+    candidates = torch.cat([root, draft_tokens], dim=1)
+    logits = target_logits(candidates, next_token, next_sibling, vocab, gen)
+    return candidates, index, next_token, next_sibling, logits
+
+
+SHAPES = [WIDE, MID, DEEP, TreeShape(4, 3, 10), TreeShape(1, 4, 5), TreeShape(2, 2, 3)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("bs", [1, 3])
+def test_strict_verifier_through_wrap_matches_sglang_greedy(shape, bs):
+    depths = []
+    for seed in range(12):
+        candidates, index, next_token, next_sibling, logits = sglang_case(bs, shape, seed)
+        out = wrap_verify(
+            StrictVerifier(), candidates=candidates, retrieve_index=index, retrieve_next_token=next_token,
+            retrieve_next_sibling=next_sibling, logits=logits, spec_steps=shape.nsteps, topk=shape.topk,
+        )
+        target = logits.argmax(-1).view(bs, shape.ndt)
+        ref_predict, ref_index, ref_lens = sglang_verify_greedy(candidates, index, next_token, next_sibling, target, shape.nsteps + 1)
+        assert torch.equal(out.predict, ref_predict)
+        assert torch.equal(out.accept_index, ref_index)
+        assert torch.equal(out.accept_lens, ref_lens)
+        assert out.promoted == (0,) * bs and list(out.accepted) == (ref_lens - 1).tolist()
+        depths += out.accepted
+    assert max(depths) >= (3 if shape == DEEP else 1)  # accepted deep enough to mean something
+
+
+def test_outputs_have_eagle_sample_layout():
+    shape, bs = MID, 2
+    candidates, index, next_token, next_sibling, logits = sglang_case(bs, shape, seed=3)
+    out = wrap_verify(StrictVerifier(), candidates=candidates, retrieve_index=index, retrieve_next_token=next_token,
+                      retrieve_next_sibling=next_sibling, logits=logits, spec_steps=shape.nsteps, topk=shape.topk)
+    assert out.predict.dtype == out.accept_index.dtype == out.accept_lens.dtype == torch.int32
+    assert out.predict.shape == (bs * shape.ndt,) and out.accept_index.shape == (bs, shape.nsteps + 1)
+    assert out.accept_lens.shape == (bs,) and torch.equal(out.num_correct_drafts, out.accept_lens - 1)
+    for b in range(bs):
+        n = int(out.accept_lens[b])
+        row = out.accept_index[b]
+        assert int(row[0]) == b * shape.ndt and (row[n:] == -1).all() and (row[:n] >= b * shape.ndt).all()
+        emitted = out.predict[row[:n].long()]  # what run_eagle_verify commits: predict[accept_index]
+        nodes = (row[1:n] - b * shape.ndt).long()
+        assert torch.equal(emitted[:-1], candidates[b, nodes].int())  # accepted drafts, then the bonus
+        assert int(emitted[-1]) == int(logits[row[n - 1]].argmax())
+
+
+class FirstChild(Verifier):
+    """Lossy test verifier: always accepts the root's first child, then stops."""
+
+    name = "first-child"
+    lossless = False
+
+    def verify(self, tree, logits):
+        child = int((tree.parents == 0).nonzero()[0])
+        greedy = int(logits[0].argmax())
+        promoted = int(int(tree.tokens[child]) != greedy)
+        return VerifyResult(path=[0, child], tokens=[int(tree.tokens[child]), int(logits[child].argmax())], promoted=promoted)
+
+
+def test_lossy_verifier_writes_promoted_tokens_where_sglang_reads_them():
+    # root 0 -> children 1 (token 11), 2 (token 12); 1 -> 3 (token 13)
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    index, next_token, next_sibling = retrieve_from_parents(parents)
+    candidates = torch.tensor([[7, 11, 12, 13]])
+    logits = torch.zeros(4, 20)
+    logits[0, 12] = 1.0  # the target prefers 12: 11 is promoted
+    logits[1, 5] = 1.0  # bonus after node 1
+    out = wrap_verify(FirstChild(), candidates=candidates, retrieve_index=index, retrieve_next_token=next_token,
+                      retrieve_next_sibling=next_sibling, logits=logits, spec_steps=2, topk=2)
+    assert out.accept_index.tolist() == [[0, 1, -1]] and out.accept_lens.tolist() == [2]
+    assert out.predict.tolist() == [11, 5, 0, 0] and out.promoted == (1,) and out.accepted == (1,)
+
+
+def test_nodes_without_a_parent_link_are_never_accepted():
+    # node 2's parent was not selected (the kernel left it unlinked); its child 3 neither
+    candidates = torch.tensor([[7, 11, 12, 13]])
+    index = torch.arange(4).view(1, 4)
+    next_token = torch.tensor([[1, -1, 3, -1]])
+    next_sibling = torch.full((1, 4), -1)
+    logits = torch.zeros(4, 20)
+    logits[0, 12] = 1.0  # would match orphan 2
+    out = wrap_verify(StrictVerifier(), candidates=candidates, retrieve_index=index, retrieve_next_token=next_token,
+                      retrieve_next_sibling=next_sibling, logits=logits, spec_steps=2, topk=2)
+    assert out.accept_lens.tolist() == [1] and out.predict.tolist() == [12, 0, 0, 0]
+
+
+def test_retrieve_layout_round_trip_and_argument_checks():
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2, 4]])
+    index, next_token, next_sibling = retrieve_from_parents(parents)
+    assert next_token[0].tolist() == [1, 4, 6, -1, 7, -1, -1, -1]
+    assert next_sibling[0].tolist() == [-1, 2, 3, -1, 5, -1, -1, -1]
+    assert parents_from_retrieve(next_token[0].tolist(), next_sibling[0].tolist()) == parents[0].tolist()
+    with pytest.raises(ValueError, match="expected 8 rows"):
+        wrap_verify(StrictVerifier(), candidates=torch.zeros(1, 8, dtype=torch.long), retrieve_index=index,
+                    retrieve_next_token=next_token, retrieve_next_sibling=next_sibling, logits=torch.zeros(7, 4),
+                    spec_steps=3, topk=3)

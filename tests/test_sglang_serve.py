@@ -1,0 +1,117 @@
+"""adaptivespec serve: the SGLang command line and environment (nothing is launched)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.sglang import CONFIG_ENV, serve
+from adaptivespec.sglang.api import SGLANG_VERSION
+
+TARGET, DRAFTER = "meta-llama/Llama-3.1-8B-Instruct", "/models/eagle3-llama3.1-8b"
+
+
+@pytest.fixture
+def config(tmp_path) -> Path:
+    path = tmp_path / "static.yaml"
+    path.write_text("policy: {name: static, nsteps: 5, topk: 4, ndt: 8}\nverifier: strict\n")
+    return path
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_build_command_launches_eagle3_at_the_largest_shape(config):
+    argv = serve.build_command(config, TARGET, DRAFTER, "0.0.0.0", 31000, ["--mem-fraction-static", "0.8"])
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == TARGET
+    assert flag(argv, "--speculative-algorithm") == "EAGLE3"
+    assert flag(argv, "--speculative-draft-model-path") == DRAFTER
+    assert (flag(argv, "--speculative-num-steps"), flag(argv, "--speculative-eagle-topk"),
+            flag(argv, "--speculative-num-draft-tokens")) == ("5", "4", "8")
+    assert (flag(argv, "--host"), flag(argv, "--port")) == ("0.0.0.0", "31000")
+    assert "--disable-overlap-schedule" in argv and "--speculative-adaptive" not in argv
+    assert argv[-2:] == ["--mem-fraction-static", "0.8"]
+    assert "--disable-overlap-schedule" not in serve.build_command(config, TARGET, DRAFTER, overlap=True)
+
+
+def test_bank_shapes_and_start_shape(config):
+    shapes, top = serve.bank_shapes(config)
+    assert [str(s) for s in shapes] == ["(5,4,8)"] and str(top) == "(5,4,8)"
+
+
+def test_models_default_to_the_config_and_embedded_ones_are_refused(tmp_path, config):
+    path = tmp_path / "models.yaml"
+    path.write_text(f"model: {{target: {TARGET}, drafter: {DRAFTER}}}\npolicy: {{name: static}}\n")
+    argv = serve.build_command(path)
+    assert flag(argv, "--model-path") == TARGET and flag(argv, "--speculative-draft-model-path") == DRAFTER
+    with pytest.raises(AdaptiveSpecError, match="--drafter: SGLang needs an EAGLE-3 checkpoint"):
+        serve.build_command(config, TARGET)  # the default config's drafter is 'embedded'
+    with pytest.raises(AdaptiveSpecError, match="--target: SGLang cannot load the embedded"):
+        serve.build_command(config, drafter=DRAFTER)
+
+
+def test_env_points_the_plugin_at_the_config(config):
+    env = serve.build_env(config, {"PATH": "/bin"})
+    assert env[CONFIG_ENV] == str(config.resolve()) and env["PATH"] == "/bin" and "SGLANG_PLUGINS" not in env
+    assert serve.build_env(config, {"SGLANG_PLUGINS": "xpu_hooks"})["SGLANG_PLUGINS"] == "xpu_hooks,adaptivespec"
+    assert serve.build_env(config, {"SGLANG_PLUGINS": "adaptivespec"})["SGLANG_PLUGINS"] == "adaptivespec"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="adaptivespec")
+    serve.add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_print_command(config, capsys, monkeypatch):
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--port", "31000",
+                  "--print-command", "--", "--mem-fraction-static", "0.8"])
+    assert args.func is serve.run_serve
+    assert serve.run_serve(args) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"{CONFIG_ENV}={config.resolve()} {sys.executable} -m sglang.launch_server ")
+    for part in ("--speculative-algorithm EAGLE3", f"--speculative-draft-model-path {DRAFTER}", "--speculative-num-steps 5",
+                 "--speculative-eagle-topk 4", "--speculative-num-draft-tokens 8", "--port 31000"):
+        assert part in line
+    assert line.endswith("--disable-overlap-schedule --mem-fraction-static 0.8")
+
+
+def test_cli_subcommand_prints_the_command(config, capsys):
+    cli = pytest.importorskip("adaptivespec.cli")
+    code = cli.main(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"])
+    assert code == 0 and "--speculative-algorithm EAGLE3" in capsys.readouterr().out
+
+
+def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    monkeypatch.setattr(serve.os, "execvpe", lambda *a: pytest.fail("must not exec"))
+    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
+    with pytest.raises(AdaptiveSpecError) as err:
+        serve.run_serve(args)
+    assert str(err.value) == (f"sglang is not installed; install it on a CUDA machine with: "
+                              f"pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION})")
+
+
+def test_serve_checks_the_api_then_execs(config, monkeypatch):
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(serve, "installed_version", lambda: SGLANG_VERSION)
+    monkeypatch.setattr(serve, "check_api", lambda: ["x.y: not found"])
+    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
+    with pytest.raises(AdaptiveSpecError, match="lacks what the plugin .* needs: x.y: not found"):
+        serve.run_serve(args)
+    calls = []
+    monkeypatch.setattr(serve, "check_api", lambda: [])
+    monkeypatch.setattr(serve.os, "execvpe", lambda *a: calls.append(a))
+    serve.run_serve(args)
+    (file, argv, env), = calls
+    assert file == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
+    assert env[CONFIG_ENV] == str(config.resolve())
