@@ -162,7 +162,7 @@ def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
     elif tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return value  # ints stay as written so messages echo the user's value
     elif tp is str and isinstance(value, str):
         return value
     elif attrs.has(tp) and isinstance(value, dict):

@@ -27,7 +27,8 @@ class UnknownStrategyError(AdaptiveSpecError, KeyError):
 
     def __init__(self, kind: str, name: object, known: list[str]) -> None:
         self.kind, self.name, self.known = kind, name, known
-        super().__init__(f"unknown {kind} {name!r}; registered {kind}s: {', '.join(known) or '(none)'}")
+        plural = {"policy": "policies"}.get(kind, kind + "s")
+        super().__init__(f"unknown {kind} {name!r}; registered {plural}: {', '.join(known) or '(none)'}")
 
     def __str__(self) -> str:  # KeyError would add quotes around the message
         return self.args[0]

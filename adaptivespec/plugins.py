@@ -168,7 +168,7 @@ def _load_plugins(pm: pluggy.PluginManager) -> dict[str, str]:
 
 def _collect(pm: pluggy.PluginManager, hook: str, kind: str, providers: dict[str, str]) -> Registry:
     registry = Registry(kind)
-    for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):  # registration order
+    for impl in getattr(pm.hook, hook).get_hookimpls():  # registration order
         registry._provider = providers.get(impl.plugin_name, impl.plugin_name)
         impl.function(registry=registry)
     registry._provider = "?"
