@@ -63,7 +63,8 @@ class Engine:
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
         self.policy = host.policies.get(config.policy.name).cls(config.policy.params)
         self.verifier = host.verifiers.get(config.verifier.name).cls(config.verifier.params)
-        self.shapes = frozenset(self.policy.shapes())
+        if drafter is not None:  # one executor per shape the policy may choose, built up front
+            self.runtime.prepare(self.policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512)
         self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else None
         self._observe = host.has_observers("adaptivespec_step")
 
@@ -96,7 +97,7 @@ class Engine:
         t0 = time.perf_counter()
         policy.reset()
 
-        first = rt.prefill(prompt_ids)
+        first = rt.prefill(prompt_ids, limit)
         forwards = 1
         done = self._take(out, [first], limit, on_tokens)
         last_accepted, step = -1, 0
@@ -109,8 +110,6 @@ class Engine:
             # 1. shape: the policy reads signals available before drafting
             signals = StepSignals(step=step, draft_top1_prob=rt.draft_top1_prob(), last_accepted=last_accepted)
             shape = policy.next_shape(signals)
-            if shape not in self.shapes:
-                self._unknown_shape(shape)
             # 2. draft a tree of that shape
             tree = rt.draft(shape, policy)
             t_draft = time.perf_counter()
@@ -172,12 +171,3 @@ class Engine:
         if on_tokens is not None and chunk:
             on_tokens(chunk)
         return len(out) >= limit or (self.eos is not None and bool(chunk) and chunk[-1] == self.eos)
-
-    def _unknown_shape(self, shape) -> None:
-        from adaptivespec.errors import ShapeNotInBankError
-
-        known = ", ".join(str(s) for s in sorted(self.shapes))
-        raise ShapeNotInBankError(
-            f"policy {self.config.policy.name!r} asked for tree shape {shape}, which was not prepared; "
-            f"prepared shapes: {known}"
-        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 import adaptivespec
+from adaptivespec.bank import ShapeBank
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
@@ -54,14 +55,24 @@ class TorchRuntime:
         self.root: torch.Tensor | None = None  # 0-dim int64
         self.root_state: torch.Tensor | None = None  # [H]
         self.root_logp: torch.Tensor | None = None  # [Vd]
-        self._slot_anc: torch.Tensor | None = None  # [slots, slots] bool, drafter tree slots
+        self.bank: ShapeBank | None = None
+
+    def prepare(self, shapes, capacity: int = 1024) -> ShapeBank:
+        """Build the shape bank: one executor per shape the policy may choose, before decoding."""
+        self.bank = ShapeBank(shapes, capacity=capacity, dtype=self.dtype, device=self.device)
+        return self.bank
 
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> int:
-        """Run the prompt; returns the first generated token (the target's greedy choice)."""
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0) -> int:
+        """Run the prompt; returns the first generated token (the target's greedy choice).
+
+        The shape bank's buffers are grown here, once, to cover the whole generation.
+        """
         from transformers import DynamicCache
 
+        if self.bank is not None:
+            self.bank.reserve(len(prompt_ids) + max_new_tokens + max(s.ndt for s in self.bank.shapes) + 1)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
         self.cache = DynamicCache(config=self.target.config)
         need_hidden = self.drafter is not None
@@ -97,27 +108,32 @@ class TorchRuntime:
 
     @torch.inference_mode()
     def draft(self, shape: TreeShape, rules) -> DraftTree:
-        """Draft a tree of ``shape`` below the root; ``rules`` is the tree policy."""
+        """Draft a tree of ``shape`` below the root; ``rules`` is the tree policy.
+
+        Uses the shape's executor: the drafter's level masks and slot ancestry are written into
+        its preallocated buffers (the tree block only) and the block is cleared after use.
+        """
         d = self.drafter
+        ex = self.bank.get(shape)
         base = d.length  # == P: committed drafter positions
-        self._slot_anc = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+        used = 0  # drafter slots taken by expanded nodes of this tree
 
         def expand(tokens, states, parent_slots, depth):
-            b = tokens.shape[0]
-            s_old = self._slot_anc.shape[0]
-            anc = torch.zeros(b, s_old + b, dtype=torch.bool, device=self.device)
-            if s_old:
-                has_parent = (parent_slots >= 0).unsqueeze(1)
-                anc[:, :s_old] = self._slot_anc[parent_slots.clamp(min=0)] & has_parent
-            anc[:, s_old:] = torch.eye(b, dtype=torch.bool, device=self.device)
-            grown = torch.zeros(s_old + b, s_old + b, dtype=torch.bool, device=self.device)
-            grown[:s_old, :s_old] = self._slot_anc
-            grown[s_old:] = anc
-            self._slot_anc = grown
-            mask = torch.zeros(1, 1, b, base + s_old + b, dtype=self.dtype, device=self.device)
-            mask[0, 0, :, base:] = torch.where(anc, 0.0, self.neg).to(self.dtype)
+            nonlocal used
+            b, end = tokens.shape[0], used + tokens.shape[0]
+            anc = ex.slot_anc  # anc[i, j]: slot j is slot i or one of its ancestors
+            if used:
+                anc[used:end, :used] = anc[parent_slots.clamp(min=0), :used] & (parent_slots >= 0).unsqueeze(1)
+            own = anc[used:end, used:end]
+            own.zero_()
+            own.fill_diagonal_(True)
+            mask = ex.draft_mask[:, :, :b, : base + end]  # [1, 1, b, base + end], 0 outside the block
+            block = mask[0, 0, :, base:]
+            block.masked_fill_(~anc[used:end, :end], self.neg)
             positions = torch.full((b,), base + depth - 1, dtype=torch.long, device=self.device)
             out = d.step(tokens, states, positions, mask)
+            block.zero_()
+            used = end
             return d.log_probs(out), out
 
         return draft_tree(shape, self.root, self.root_logp, self.root_state, expand, d.to_target, rules)
@@ -126,8 +142,9 @@ class TorchRuntime:
     def verify_forward(self, tree: DraftTree):
         """One target forward over the tree. Returns (logits [n, V], hidden_states tuple)."""
         n = tree.size
-        mask = torch.zeros(1, 1, n, self.P + n, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, self.P :] = torch.where(tree.ancestors, 0.0, self.neg).to(self.dtype)
+        mask = self.bank.get(tree.shape).verify_mask[:, :, :n, : self.P + n]  # [1, 1, n, P + n]
+        block = mask[0, 0, :, self.P :]
+        block.masked_fill_(~tree.ancestors, self.neg)
         positions = (self.P + tree.depth).unsqueeze(0)
         out = self.target(
             input_ids=tree.tokens.unsqueeze(0),
@@ -137,6 +154,7 @@ class TorchRuntime:
             use_cache=True,
             output_hidden_states=True,
         )
+        block.zero_()
         return out.logits[0], out.hidden_states
 
     @torch.inference_mode()
