@@ -21,6 +21,8 @@ from conftest import PROMPTS
 pytestmark = pytest.mark.model
 
 SHAPES = {"chain": (7, 1, 8), "wide": (3, 4, 10), "deep": (6, 3, 16)}
+POLICIES = {name: [f"policy.nsteps={n}", f"policy.topk={k}", f"policy.ndt={d}"] for name, (n, k, d) in SHAPES.items()}
+POLICIES["dcs"] = ["policy.name=dcs"]  # shapes change every step between (3,4,4) and (7,1,8)
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -67,14 +69,13 @@ def test_random_drafter_static_strict_is_lossless(shape, random_head_dir, greedy
         assert engine.generate_ids(ids, max_new_tokens=48).token_ids == ref, text
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_oracle_drafter_static_strict_is_lossless(shape, full_vocab_head_dir, greedy_reference):
-    n, k, d = SHAPES[shape]
-    engine = engine_for([f"model.drafter={full_vocab_head_dir}", f"policy.nsteps={n}", f"policy.topk={k}", f"policy.ndt={d}"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_reference):
+    engine = engine_for([f"model.drafter={full_vocab_head_dir}", *POLICIES[policy]])
     drafter = engine.runtime.drafter
     drafter.__class__ = OracleDrafter
     drafter.gen = torch.Generator().manual_seed(0)
-    paths = []
+    paths, shapes = [], set()
     commit = engine.runtime.commit
     engine.runtime.commit = lambda tree, res, hidden: (paths.append(res.path), commit(tree, res, hidden))
     try:
@@ -84,13 +85,16 @@ def test_oracle_drafter_static_strict_is_lossless(shape, full_vocab_head_dir, gr
             drafter.reference = torch.tensor(ids + ref)
             res = engine.generate_ids(ids, max_new_tokens=48)
             assert res.token_ids == ref, text
+            shapes |= {r.shape for r in res.records}
             forwards += res.stats["target_forwards"]
             tokens += res.stats["new_tokens"]
     finally:
         drafter.__class__ = Eagle3Drafter
     assert tokens / forwards > 1.8  # the test really exercised acceptance
-    if k > 1:  # and accepted paths that are not the first-ranked chain
+    if any(s.topk > 1 for s in shapes):  # and accepted paths that are not the first-ranked chain
         assert any(p != list(range(len(p))) for p in paths)
+    if policy == "dcs":  # the policy really switched shapes
+        assert len(shapes) >= 3
 
 
 def test_generation_stops_exactly_at_limit_and_eos(full_vocab_head_dir, greedy_reference, smol32):
