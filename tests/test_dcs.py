@@ -232,9 +232,9 @@ def test_next_shape_returns_the_prepared_objects():
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"alpha": 0}, "policy.alpha: expected a number in (0, 1], got 0.0"),
+        ({"alpha": 0}, "policy.alpha: expected a number in (0, 1], got 0"),
         ({"alpha": 1.5}, "policy.alpha: expected a number in (0, 1], got 1.5"),
-        ({"d": 0}, "policy.d: expected a number in (0, inf), got 0.0"),
+        ({"d": 0}, "policy.d: expected a number in (0, inf), got 0"),
         ({"weight": -0.1}, "policy.weight: expected a number in [0, 1], got -0.1"),
         ({"levels": 1}, "policy.levels: expected an integer >= 2, got 1"),
         ({"breaker_steps": 0}, "policy.breaker_steps: expected an integer >= 1, got 0"),

@@ -16,7 +16,7 @@ from adaptivespec.config import load_config
 from adaptivespec.decode import Engine
 from adaptivespec.drafter import Eagle3Drafter
 
-from conftest import PROMPTS
+from shared_prompts import PROMPTS
 
 pytestmark = pytest.mark.model
 

@@ -1,0 +1,13 @@
+"""adaptivespec-fly: FLy's entropy-gated deferred-window acceptance as the verifier ``fly`` (lossy)."""
+
+from __future__ import annotations
+
+import adaptivespec
+from adaptivespec_fly.verifier import FlyParams, FlyVerifier, strict_run_below, topk_entropy
+
+__all__ = ["FlyParams", "FlyVerifier", "strict_run_below", "topk_entropy"]
+
+
+@adaptivespec.hookimpl
+def adaptivespec_register_verifiers(registry):
+    registry.register(FlyVerifier)

@@ -1,0 +1,13 @@
+"""adaptivespec-talon: TALON's budget-driven adaptive draft trees as the tree policy ``talon``."""
+
+from __future__ import annotations
+
+import adaptivespec
+from adaptivespec_talon.policy import TalonParams, TalonPolicy
+
+__all__ = ["TalonParams", "TalonPolicy"]
+
+
+@adaptivespec.hookimpl
+def adaptivespec_register_policies(registry):
+    registry.register(TalonPolicy)
