@@ -1,0 +1,110 @@
+"""The ``bench`` and ``sweep`` subcommands (added to ``adaptivespec``'s parser by ``adaptivespec.cli``).
+
+::
+
+    adaptivespec bench --configs configs/ar.yaml configs/eagle3.yaml --dataset gsm8k --limit 20 \\
+        --peers hf-generate,hf-prompt-lookup --out runs/gsm8k
+    adaptivespec sweep --config configs/adaptivespec-lossy.yaml --param verifier.kappa=0.1,0.3,0.5 \\
+        --dataset gsm8k --limit 20 --reference configs/eagle3.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    from adaptivespec.cli import positive_int
+
+    return positive_int(text)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    from adaptivespec.evaluation.bench import DEFAULT_MAX_NEW_TOKENS
+    from adaptivespec.evaluation.datasets import DATASETS
+
+    p.add_argument("--dataset", required=True, metavar="NAME", help=f"evaluation set: {', '.join(DATASETS)}")
+    p.add_argument("--data", metavar="FILE.jsonl", help="read the dataset from this JSON-lines file (same fields)")
+    p.add_argument("--limit", type=_positive_int, metavar="N", help="the first N problems only")
+    defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_MAX_NEW_TOKENS.items())
+    p.add_argument("--max-new-tokens", type=_positive_int, metavar="M", help=f"generation limit per prompt (default per dataset: {defaults})")
+    p.add_argument("--out", metavar="DIR", help="run folder (resumable; default runs/<command>-...)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key in every config, e.g. --set runtime.dtype=float32 (repeatable); "
+                   "model.drafter=DIR leaves autoregressive configs (drafter: null) autoregressive")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark configs (and peers) on an evaluation set: speed, accuracy, retention")
+    p.add_argument("--configs", nargs="+", required=True, metavar="FILE", help="YAML configs; each is named by its file stem")
+    _add_common(p)
+    p.add_argument("--peers", metavar="NAMES", help="comma-separated transformers baselines run alongside: hf-generate, hf-prompt-lookup")
+    p.set_defaults(func=run_bench_command)
+
+
+def add_sweep_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="benchmark one config over the values of a numeric parameter (Pareto plot)")
+    p.add_argument("--config", required=True, metavar="FILE", help="YAML config to sweep")
+    p.add_argument("--param", action="append", required=True, metavar="KEY=V1,V2,...",
+                   help="parameter and values, e.g. verifier.kappa=0.1,0.3,0.5 (repeat for a grid)")
+    p.add_argument("--reference", metavar="FILE", help="lossless reference config (default: --config with verifier: strict)")
+    _add_common(p)
+    p.set_defaults(func=run_sweep_command)
+
+
+def _problems(args):
+    from adaptivespec.errors import AdaptiveSpecError
+    from adaptivespec.evaluation.bench import DEFAULT_MAX_NEW_TOKENS
+    from adaptivespec.evaluation.datasets import DATASETS, DatasetError, load_dataset
+
+    if args.dataset not in DATASETS:
+        raise AdaptiveSpecError(f"--dataset: unknown dataset {args.dataset!r}; expected one of: {', '.join(DATASETS)}")
+    try:
+        problems = load_dataset(args.dataset, args.data, args.limit)
+    except DatasetError as exc:
+        raise DatasetError(f"--data: {exc}" if args.data else str(exc)) from None
+    if not problems:
+        raise AdaptiveSpecError(f"--dataset {args.dataset}: no problems in {args.data or 'the packaged file'}")
+    max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(args.dataset, 1024)
+    return problems, max_new, [*args.overrides, f"generation.max_new_tokens={max_new}"]
+
+
+def _finish(results, out: Path, columns=()) -> int:
+    from adaptivespec.evaluation.bench import markdown
+
+    print(markdown(results, list(columns)))
+    plots = "speedup_retention.png, accept_lengths.png" + (", pareto.png" if "sweep" in results else "")
+    print(f"wrote {out}/results.json, results.md, {plots}", file=sys.stderr)
+    return 0
+
+
+def run_bench_command(args) -> int:
+    from adaptivespec.evaluation.bench import BenchSpec, Entry, load_bench_config, run_bench
+    from adaptivespec.evaluation.peers import parse_peers
+
+    problems, max_new, overrides = _problems(args)
+    entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
+    spec = BenchSpec(entries=entries, peers=parse_peers(args.peers), dataset=args.dataset, data=args.data,
+                     limit=args.limit, max_new_tokens=max_new)
+    out = Path(args.out or f"runs/bench-{args.dataset}")
+    results = run_bench(spec, problems, out, progress=not args.no_progress)
+    return _finish(results, out)
+
+
+def run_sweep_command(args) -> int:
+    from adaptivespec.evaluation.bench import BenchSpec, run_bench
+    from adaptivespec.evaluation.sweep import reference_entry, sweep_entries
+
+    problems, max_new, overrides = _problems(args)
+    points, params = sweep_entries(args.config, args.param, overrides)
+    ref = reference_entry(args.config, args.reference, overrides)
+    spec = BenchSpec(entries=(ref, *points), dataset=args.dataset, data=args.data, limit=args.limit,
+                     max_new_tokens=max_new, reference=ref.name, command="sweep", columns=tuple(params),
+                     extra={"sweep": {"config": args.config, "params": params, "reference": ref.name}})
+    keys = "-".join(k.split(".")[-1] for k in params)
+    out = Path(args.out or f"runs/sweep-{Path(args.config).stem}-{keys}-{args.dataset}")
+    results = run_bench(spec, problems, out, progress=not args.no_progress)
+    return _finish(results, out, spec.columns)

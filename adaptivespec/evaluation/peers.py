@@ -1,0 +1,126 @@
+"""Peers: transformers' own decoding, measured beside adaptivespec in the same ``bench`` run.
+
+A peer is a pseudo-config of ``adaptivespec bench --peers``; it runs on the very target object the
+configs use (same weights, dtype and device, loaded once) and reports the same stats fields:
+
+* ``hf-generate``: ``model.generate`` with greedy decoding (``do_sample=False``): the reference
+  implementation of plain autoregressive decoding.
+* ``hf-prompt-lookup``: transformers' assisted generation with ``prompt_lookup_num_tokens=10``
+  (n-gram drafts copied from the prompt, verified greedily: lossless, no draft model).
+
+``target_forwards`` counts calls of the target's ``forward`` (a forward hook), so it is known for
+both; ``accept_length_mean`` is ``new_tokens / target_forwards`` as for adaptivespec's engine.
+Peers emit no per-step records (transformers does not expose them).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from adaptivespec.config import Config
+from adaptivespec.errors import AdaptiveSpecError
+
+PEERS: dict[str, dict[str, Any]] = {
+    "hf-generate": {},
+    "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10},
+}
+"""Peer name -> extra ``generate`` keyword arguments (beside greedy decoding and the limits)."""
+
+
+def parse_peers(text: str | None) -> tuple[str, ...]:
+    """``"hf-generate,hf-prompt-lookup"`` -> the names, checked against :data:`PEERS`."""
+    if not text:
+        return ()
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if name not in PEERS:
+            raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected a comma-separated list of: {', '.join(PEERS)}")
+    if len(set(names)) != len(names):
+        raise AdaptiveSpecError(f"--peers: a peer is named twice in {text!r}")
+    return names
+
+
+def describe_peer(name: str, config: Config) -> dict[str, Any]:
+    """What stands in for ``config.to_dict()`` in the results: the peer and the target it runs on."""
+    return {
+        "peer": name,
+        "model": {"target": config.model.target},
+        "runtime": {"device": config.runtime.device, "dtype": config.runtime.dtype},
+        "generate": {"do_sample": False, **PEERS[name]},
+    }
+
+
+class HfPeer:
+    """One transformers decoding mode on the target of ``config`` (the bench's first config)."""
+
+    kind = "peer"
+    lossless = True  # greedy; prompt lookup verifies its drafts greedily
+    autoregressive = False
+
+    def __init__(self, name: str, config: Config, host=None) -> None:
+        from adaptivespec.decode import load_models
+        from adaptivespec.models import encode_prompt
+
+        if host is None:
+            from adaptivespec.plugins import get_plugin_host
+
+            host = get_plugin_host()
+        if name not in PEERS:
+            raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected one of: {', '.join(PEERS)}")
+        self.name, self.config = name, config
+        self.target, self.tokenizer, _ = load_models(_without_drafter(config), host)
+        self._encode = encode_prompt
+        self.kwargs = dict(PEERS[name])
+        # stop_at_eos: false -> an id no token has (None would fall back to the model's own EOS)
+        self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else self.target.config.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(self.tokenizer, text, chat=self.config.generation.chat_template)
+
+    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step: Callable | None = None):
+        """Greedy ``model.generate``; returns an :class:`adaptivespec.decode.GenerationResult`."""
+        from transformers import GenerationConfig
+
+        from adaptivespec.decode import GenerationResult
+
+        device = next(self.target.parameters()).device
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
+        gen = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos,
+            pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id,
+            **self.kwargs,
+        )
+        calls = [0]
+        handle = self.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            with warnings.catch_warnings(), torch.inference_mode():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                out = self.target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+                wall = time.perf_counter() - t0
+        finally:
+            handle.remove()
+        new = out[0, ids.shape[1]:].tolist()
+        forwards = calls[0] or None
+        stats = {
+            "new_tokens": len(new),
+            "target_forwards": forwards,
+            "accept_length_mean": len(new) / forwards if forwards else None,
+            "wall_seconds": wall,
+            "tokens_per_second": len(new) / wall if wall > 0 else 0.0,
+            "promoted_tokens": 0,
+        }
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return GenerationResult(token_ids=new, text=text, stats=stats, records=[])
+
+
+def _without_drafter(config: Config) -> Config:
+    import attrs
+
+    return attrs.evolve(config, model=attrs.evolve(config.model, drafter=None))

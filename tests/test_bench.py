@@ -1,0 +1,240 @@
+"""``adaptivespec bench`` / ``sweep``: end to end through the CLI, resume, errors, aggregation, plots."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptivespec.cli import main
+from adaptivespec.config import load_config
+from adaptivespec.evaluation import bench
+from adaptivespec.evaluation.bench import BenchSpec, Entry, RECORD_FIELDS, summarize
+from adaptivespec.evaluation.datasets import load_dataset
+from adaptivespec.evaluation.plots import pareto, pareto_front, speedup_retention
+from adaptivespec.evaluation.sweep import parse_param, reference_entry
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+AR, EAGLE3, LOSSY = (str(CONFIGS / f) for f in ("ar.yaml", "eagle3.yaml", "adaptivespec-lossy.yaml"))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def small(head, out, tokens: int = 6) -> list[str]:
+    """Arguments shared by the model runs: 2 GSM8K prompts, few tokens, float32, one thread."""
+    return ["--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", str(tokens), "--set", f"model.drafter={head}",
+            "--set", "runtime.dtype=float32", "--set", "runtime.threads=1", "--out", str(out), "--no-progress"]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+@pytest.fixture(scope="module")
+def models(smol32):
+    """Share the session's float32 target with the engines, and restore torch's thread count."""
+    from adaptivespec import decode
+
+    decode._MODELS.setdefault(("smollm2-135m-instruct", "float32", "cpu"), smol32)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bench_run(models, random_head_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "run"
+    rc = main(["bench", "--configs", AR, EAGLE3, "--peers", "hf-generate", *small(random_head_dir, out)])
+    assert rc == 0
+    return out
+
+
+# -- bench end to end -------------------------------------------------------------------------------
+@pytest.mark.model
+def test_bench_writes_results(bench_run, random_head_dir):
+    for name in ("settings.json", "records.jsonl", "results.json", "results.md", "speedup_retention.png", "accept_lengths.png"):
+        assert (bench_run / name).is_file(), name
+    res = json.loads((bench_run / "results.json").read_text())
+    meta = res["meta"]
+    assert meta["dataset"] == "gsm8k" and meta["limit"] == 2 and meta["max_new_tokens"] == 6
+    assert meta["machine"]["cpu"] and meta["machine"]["logical_cpus"] >= 1 and meta["torch"] == torch.__version__
+    assert meta["date"]
+    rows = {r["name"]: r for r in res["configs"]}
+    assert list(rows) == ["ar", "eagle3", "hf-generate"]
+    assert res["reference"] == "eagle3" and res["ar"] == "ar"
+    for r in rows.values():
+        for key in ("config", "lossless", "tokens_per_second", "speedup_vs_ar", "speedup_vs_eagle3",
+                    "accept_length_mean", "accuracy", "retention", "records"):
+            assert key in r, (r["name"], key)
+        assert r["lossless"] is True and r["tokens_per_second"] > 0 and r["accuracy"] is not None
+        assert len(r["records"]) == 2 and set(r["records"][0]) == set(RECORD_FIELDS)
+    # --set model.drafter swapped eagle3's head and left ar autoregressive
+    assert rows["ar"]["config"]["model"]["drafter"] is None
+    assert rows["eagle3"]["config"]["model"]["drafter"] == str(random_head_dir)
+    assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0) and rows["eagle3"]["speedup_vs_eagle3"] == pytest.approx(1.0)
+    assert rows["eagle3"]["accepted_per_step"]["steps"] > 0 and rows["ar"]["accepted_per_step"]["steps"] == 0
+    assert rows["hf-generate"]["target_forwards"] == rows["ar"]["target_forwards"]
+    # all three are greedy decoding of the same float32 target: the same text
+    texts = {}
+    for r in records(bench_run):
+        texts.setdefault(r["id"], set()).add(r["text"])
+    assert len(texts) == 2 and all(len(t) == 1 for t in texts.values())
+    md = (bench_run / "results.md").read_text()
+    assert "| config | lossless | tok/s | speedup vs AR | speedup vs EAGLE-3 | accept length | accuracy | retention |" in md
+    assert all(f"`{n}`" in md for n in rows)
+
+
+@pytest.mark.model
+def test_bench_interleaves_rotating_order(bench_run):
+    order = [(r["index"], r["config"]) for r in records(bench_run)]
+    assert [c for i, c in order if i == 0] == ["ar", "eagle3", "hf-generate"]
+    assert [c for i, c in order if i == 1] == ["eagle3", "hf-generate", "ar"]
+
+
+@pytest.mark.model
+def test_bench_plots_are_pngs(bench_run):
+    assert_png(bench_run / "speedup_retention.png")
+    assert_png(bench_run / "accept_lengths.png")
+
+
+@pytest.mark.model
+def test_bench_resumes_and_skips_done_pairs(bench_run, random_head_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(bench_run, out)
+    lines = (out / "records.jsonl").read_text().splitlines()
+    # a run killed while writing its last record: one pair missing, a half-written line
+    (out / "records.jsonl").write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:25])
+    calls = []
+    real = bench.run_one
+    monkeypatch.setattr(bench, "run_one", lambda c, p, i, m: calls.append((c.name, p.id)) or real(c, p, i, m))
+    argv = ["bench", "--configs", AR, EAGLE3, "--peers", "hf-generate", *small(random_head_dir, out)]
+    assert main(argv) == 0
+    done = json.loads(lines[-1])
+    assert calls == [(done["config"], done["id"])]
+    assert (out / "records.jsonl").read_text().splitlines()[:-1] == lines[:-1]
+    assert len(records(out)) == 6
+    calls.clear()
+    assert main(argv) == 0  # complete: no generation at all
+    assert calls == [] and len(records(out)) == 6
+
+
+@pytest.mark.model
+def test_bench_refuses_resume_with_other_settings(bench_run, random_head_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(bench_run, out)
+    rc = main(["bench", "--configs", AR, EAGLE3, "--peers", "hf-generate", *small(random_head_dir, out, tokens=7)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "different settings" in err and "max_new_tokens: 6 -> 7" in err and "--out" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# -- errors (no model) ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--configs", AR, "--dataset", "gsm9k"], "--dataset: unknown dataset 'gsm9k'; expected one of: gsm8k"),
+    (["bench", "--configs", "nope/missing.yaml", "--dataset", "gsm8k"], "nope/missing.yaml: config file not found"),
+    (["bench", "--configs", AR, "--dataset", "gsm8k", "--peers", "hf-beam"], "--peers: unknown peer 'hf-beam'"),
+    (["bench", "--configs", AR, AR, "--dataset", "gsm8k", "--limit", "1"], "two contenders are named 'ar'"),
+    (["bench", "--configs", AR, "--dataset", "gsm8k", "--data", "nope.jsonl"], "--data: dataset file not found"),
+    (["sweep", "--config", LOSSY, "--param", "verifier.kappa=0.1,x", "--dataset", "gsm8k"], "expected a comma-separated list of numbers"),
+    (["sweep", "--config", LOSSY, "--param", "verifier.kappa=0.1", "--reference", LOSSY, "--dataset", "gsm8k"], "is lossy"),
+    (["sweep", "--config", LOSSY, "--param", "verifier.kapa=0.1", "--dataset", "gsm8k"], "verifier.kapa: unknown key"),
+])
+def test_user_errors_are_one_line(argv, message, tmp_path, capsys):
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_parse_param():
+    assert parse_param("verifier.kappa=0.1, 0.25,1") == ("verifier.kappa", [("0.1", 0.1), ("0.25", 0.25), ("1", 1)])
+    for bad in ("kappa", "=0.1", "verifier.kappa=", "verifier.kappa=0.1,0.1", "verifier.kappa=true"):
+        with pytest.raises(Exception, match="--param"):
+            parse_param(bad)
+
+
+def test_default_reference_is_the_strict_variant():
+    ref = reference_entry(LOSSY, None, ["verifier.kappa=0.3", "runtime.dtype=float32"])
+    assert ref.name == "adaptivespec-lossy-strict" and ref.config.verifier.name == "strict"
+    assert ref.config.runtime.dtype == "float32" and bench.config_lossless(ref.config)
+
+
+# -- aggregation and plots on synthetic records (no model) -------------------------------------------------
+def synthetic(tmp_path):
+    entries = tuple(Entry(name=n, config=load_config(p, []), sweep=s) for n, p, s in
+                    (("ar", AR, None), ("eagle3", EAGLE3, None), ("lossy[k=0.2]", LOSSY, {"verifier.kappa": 0.2}),
+                     ("lossy[k=0.5]", LOSSY, {"verifier.kappa": 0.5})))
+    problems = load_dataset("gsm8k", limit=4)
+    spec = BenchSpec(entries=entries, peers=("hf-generate",), dataset="gsm8k", limit=4, max_new_tokens=64,
+                     extra={"sweep": {"params": {"verifier.kappa": [0.2, 0.5]}}})
+    # (tokens/s, correct count of 4, accepted per step)
+    plan = {"ar": (10, 4, []), "eagle3": (20, 4, [1, 2]), "lossy[k=0.2]": (30, 2, [3, 3]),
+            "lossy[k=0.5]": (25, 3, [2, 3]), "hf-generate": (11, 4, [])}
+    recs = []
+    for name, (tps, n_ok, acc) in plan.items():
+        for i, p in enumerate(problems):
+            recs.append({"config": name, "id": p.id, "index": i, "new_tokens": 10 * tps, "wall_seconds": 10.0,
+                         "target_forwards": 50, "tokens_per_second": tps, "accept_length_mean": 2.0 * tps,
+                         "promoted_tokens": 0, "correct": i < n_ok, "extracted": "1", "accepted": acc})
+    return spec, problems, recs
+
+
+def test_summarize_speedups_and_retention(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    res = summarize(spec, problems, recs)
+    rows = {r["name"]: r for r in res["configs"]}
+    assert res["reference"] == "eagle3" and res["ar"] == "ar" and res["eagle3"] == "eagle3"
+    assert rows["eagle3"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert rows["lossy[k=0.2]"]["speedup_vs_eagle3"] == pytest.approx(1.5)
+    assert rows["lossy[k=0.2]"]["retention"] == pytest.approx(0.5) and rows["lossy[k=0.5]"]["retention"] == pytest.approx(0.75)
+    assert rows["lossy[k=0.2]"]["lossless"] is False and rows["hf-generate"]["kind"] == "peer"
+    assert rows["eagle3"]["accepted_per_step"] == {"steps": 8, "mean": 1.5, "histogram": {"1": 4, "2": 4}}
+    assert rows["ar"]["accept_length_mean"] == pytest.approx(400 / 200)
+    assert all(r["complete"] for r in rows.values())
+    assert bench.pick_reference(res["configs"], forced="ar") == "ar"
+
+
+def test_plots_on_synthetic_results(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    res = summarize(spec, problems, recs)
+    speedup_retention(res, tmp_path / "s.png")
+    pareto(res, tmp_path / "p.png")
+    bench.write_outputs(res, tmp_path, ("verifier.kappa",))
+    for name in ("s.png", "p.png", "speedup_retention.png", "accept_lengths.png", "pareto.png"):
+        assert_png(tmp_path / name)
+    assert "| verifier.kappa |" in (tmp_path / "results.md").read_text().splitlines()[6]
+
+
+def test_pareto_front():
+    pts = [(50.0, 30.0), (75.0, 25.0), (100.0, 20.0), (70.0, 20.0), (float("nan"), 99.0), (100.0, 10.0)]
+    assert pareto_front(pts) == [0, 1, 2]
+
+
+# -- sweep end to end ------------------------------------------------------------------------------------
+@pytest.mark.model
+def test_sweep_end_to_end(models, random_head_dir, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--config", LOSSY, "--param", "verifier.kappa=0.2,0.8", "--reference", EAGLE3,
+               *small(random_head_dir, out, tokens=4)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    names = [r["name"] for r in res["configs"]]
+    assert names == ["eagle3", "adaptivespec-lossy[verifier.kappa=0.2]", "adaptivespec-lossy[verifier.kappa=0.8]"]
+    assert res["reference"] == "eagle3" and res["sweep"]["params"] == {"verifier.kappa": [0.2, 0.8]}
+    points = res["configs"][1:]
+    assert [p["sweep"] for p in points] == [{"verifier.kappa": 0.2}, {"verifier.kappa": 0.8}]
+    assert [p["config"]["verifier"]["kappa"] for p in points] == [0.2, 0.8]
+    assert all(len(r["records"]) == 2 and r["speedup_vs_reference"] for r in res["configs"])
+    assert_png(out / "pareto.png")
+    md = (out / "results.md").read_text()
+    assert "| verifier.kappa |" in md and "speedup vs eagle3" in md
+    assert "adaptivespec-lossy[verifier.kappa=0.8]" in capsys.readouterr().out
