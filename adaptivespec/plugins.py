@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = {
     "margin": "adaptivespec.verifiers.margin",
     "eagle3": "adaptivespec.drafter",
     "torch": "adaptivespec.runtime",
+    "torch-cuda-graphs": "adaptivespec.cuda_graphs",
 }
 
 
