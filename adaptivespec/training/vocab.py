@@ -1,0 +1,36 @@
+"""Draft vocabulary: the ``N`` most frequent target tokens of the (self-distilled) responses.
+
+Coverage of a size-N vocabulary is ``sum of the N largest counts / total response tokens``:
+the fraction of response positions whose next token the head can propose at all. Its cost is
+the lm_head, ``N * H`` weights (``2 N H`` bytes in bf16) and ``N * H`` MACs per draft node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from adaptivespec.training.data import Record
+
+
+def token_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
+    """[V] int64 counts of response tokens."""
+    flat = torch.tensor([t for r in records for t in r.response_ids], dtype=torch.long)
+    return torch.bincount(flat, minlength=vocab_size)
+
+
+def top_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` most frequent ids (ties by smaller id), sorted ascending (as ``set_vocab`` wants)."""
+    order = torch.argsort(-counts * counts.numel() + torch.arange(counts.numel()), stable=True)
+    return torch.sort(order[:n]).values
+
+
+def coverage_table(counts: torch.Tensor, sizes: list[int], hidden: int) -> list[dict]:
+    """Rows {n, coverage, lm_head_mb (bf16)} for each vocabulary size."""
+    total = int(counts.sum())
+    ranked = torch.sort(counts, descending=True).values.cumsum(0)
+    rows = []
+    for n in sizes:
+        n = min(n, counts.numel())
+        rows.append({"n": n, "coverage": float(ranked[n - 1]) / max(total, 1), "lm_head_mb": 2 * n * hidden / 1e6})
+    rows.append({"n": "distinct", "coverage": 1.0, "count": int((counts > 0).sum())})
+    return rows

@@ -1,0 +1,121 @@
+"""``train-drafter``: TTT unroll = inference drafting, arguments, a tiny end-to-end run, the shipped head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.training import cli
+from adaptivespec.training.cli import parse_budget
+
+from shared_prompts import PROMPTS
+
+SHIPPED = Path(__file__).resolve().parents[1] / "adaptivespec" / "heads" / "smollm2-135m-instruct-eagle3"
+
+
+def run_cli(argv: list[str]) -> int:
+    return cli.main(argv)
+
+
+# -- arguments --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [("90m", (5400.0, None)), ("2h", (7200.0, None)), ("30s", (30.0, None)),
+                                            ("2e6tok", (None, 2_000_000)), ("500ktok", (None, 500_000))])
+def test_budget_units(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget", "ten minutes"], ["--budget", "ten minutes", "expected"]),
+    (["--draft-vocab", "0"], ["--draft-vocab", "0", "positive integer"]),
+    (["--distilled", "/no/such.jsonl"], ["--distilled", "/no/such.jsonl", "expected"]),
+    (["--resume"], ["--resume", "no checkpoint"]),
+    (["--data", "/work/shared/data/gsm8k/test.jsonl"], ["--data", "evaluation set"]),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
+    assert run_cli(["--out", str(tmp_path / "o"), "--quiet", *argv]) == AdaptiveSpecError.exit_code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_eval_sets_are_refused():
+    from adaptivespec.training.data import check_not_eval
+
+    for bad in ["/d/gsm8k/test.jsonl", "/d/math500/x.jsonl", "/d/humaneval/HumanEval.jsonl.gz", "/d/specbench/question.jsonl"]:
+        with pytest.raises(AdaptiveSpecError):
+            check_not_eval(Path(bad))
+    check_not_eval(Path("/d/train/mbpp_nontest.jsonl"))
+
+
+# -- the TTT unroll is the inference-time drafting -----------------------------------------------
+@pytest.mark.model
+def test_unroll_matches_inference_drafting(smol32):
+    """Chain i at TTT step j == the depth-j node drafted (Eagle3Drafter.step) from root i + 1."""
+    from adaptivespec.drafter import Eagle3Drafter
+    from adaptivespec.training.ttt import unroll
+
+    target = smol32[0]
+    d = Eagle3Drafter.random_init(target, 512, seed=1)
+    ids = torch.randint(0, target.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    k, first = 4, 5
+    with torch.no_grad():
+        g = d.fuse(target.model(input_ids=ids, output_hidden_states=True).hidden_states)
+        outs = {j: (off, st) for j, off, st in unroll(d, ids, g, k, first)}
+        for b, root in [(0, 8), (1, 20), (1, 27)]:
+            d.reset_cache(64)
+            state = d.step(ids[b, 1 : root + 1], g[b, :root], torch.arange(root), None)[-1]
+            torch.testing.assert_close(state, outs[0][1][b, root - 1], atol=1e-4, rtol=1e-4)
+            for j in range(1, k):
+                mask = torch.zeros(1, 1, 1, d.length + 1)
+                state = d.step(ids[b, root + j : root + j + 1], state[None], torch.tensor([root + j - 1]), mask)[0]
+                off, st = outs[j]
+                torch.testing.assert_close(state, st[b, root - 1 - off], atol=1e-4, rtol=1e-4)
+
+
+# -- a tiny end-to-end run ------------------------------------------------------------------------
+@pytest.mark.model
+def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy_reference):
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+    from adaptivespec.drafter import Eagle3Drafter
+
+    out = tmp_path / "head"
+    common = ["--out", str(out), "--max-prompts", "4", "--max-new-tokens", "16", "--gen-batch", "4", "--draft-vocab", "512",
+              "--batch-tokens", "1024", "--ttt-steps", "3", "--warmup", "2", "--threads", "2", "--quiet"]
+    assert run_cli([*common, "--steps", "6"]) == 0
+    rows = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert train[0]["step"] == 1 and train[-1]["step"] == 5 and train[-1]["loss"] < 0.7 * train[0]["loss"]
+    val = [r for r in rows if r["kind"] == "val"][-1]
+    assert len(val["val_acc"]) == 3
+    recs = (out / "training" / "distill.jsonl").read_text().splitlines()
+    assert len(recs) == 4 and all(set(json.loads(x)) == {"id", "prompt_ids", "response_ids"} for x in recs)
+    # resume continues from the checkpoint (data position, optimiser, step)
+    assert run_cli([*common, "--steps", "7", "--resume"]) == 0
+    rows = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]
+    assert rows[-1]["kind"] == "val" and rows[-1]["step"] == 7
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 512
+    head = Eagle3Drafter.from_pretrained(out, smol32[0])
+    assert int(head.t2d.sum()) == 512
+    engine = Engine(load_config(None, [f"model.drafter={out}", "runtime.dtype=float32", "policy.nsteps=3",
+                                       "policy.topk=2", "policy.ndt=6", "verifier.name=strict"]))
+    ids, ref = greedy_reference(PROMPTS[0], 32)
+    assert engine.generate_ids(ids, max_new_tokens=32).token_ids == ref
+
+
+# -- the shipped head -----------------------------------------------------------------------------
+@pytest.mark.model
+@pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped head in adaptivespec/heads")
+def test_shipped_head_accepts_more_than_two_tokens_per_forward():
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+
+    engine = Engine(load_config(None, ["model.drafter=embedded", "runtime.dtype=bfloat16", "policy.name=static",
+                                       "policy.nsteps=5", "policy.topk=4", "policy.ndt=12", "verifier.name=strict"]))
+    taus = [engine.generate(text, max_new_tokens=64).stats["accept_length_mean"] for text in (PROMPTS[0], PROMPTS[1])]
+    assert sum(taus) / len(taus) > 2.0, taus
