@@ -48,7 +48,7 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
-def card(run: Path, evals: dict, n_val: int, max_new: int) -> str:
+def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
     settings = json.loads((run / "training" / "run.json").read_text())
     vocab = json.loads((run / "training" / "vocab.json").read_text())
     rows = _rows(run)
@@ -101,7 +101,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int) -> str:
     for name, res in evals.items():
         for e in res:
             out.append(f"| {name} | {tuple(e['shape'])} | {e['tau']:.3f} | {e['tau_per_prompt']} |")
-    out += ["", f"Measured with `python -m adaptivespec.training.card {run} --prompts {n_val} --max-new-tokens {max_new}`.",
+    out += ["", f"Measured with `{command}`.",
             "Validation prompts: the first held-out records of the split above.", ""]
     return "\n".join(out)
 
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             "2 fixed": [encode_prompt(tok, t) for t in FIXED_PROMPTS]}
     evals = {name: [measure(head, ids, args.max_new_tokens, s) for s in SHAPES] for name, ids in sets.items()}
     print(json.dumps(evals), flush=True)
-    text = card(args.run, evals, args.prompts, args.max_new_tokens)
+    command = "python -m adaptivespec.training.card " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = card(args.run, evals, args.prompts, args.max_new_tokens, command)
     (head / "README.md").write_text(text)
     print(f"wrote {head / 'README.md'}", file=sys.stderr)
     return 0

@@ -162,6 +162,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             s.step, s.tokens, s.seconds = s.step + 1, s.tokens + batch.tokens, s.seconds + dt
             s.epoch, s.index = (epoch, index + 1) if index + 1 < len(self.groups) else (epoch + 1, 0)
+            release_memory()
             bar.update(batch.tokens)
             bar.set_postfix(loss=f"{info['loss']:.3f}", acc0=f"{info['acc'][0]:.3f}", step=s.step)
             if s.step % c.log_every == 0 or s.step == 1:
@@ -215,6 +216,27 @@ class Trainer:
         self.drafter.load_state_dict(ck["drafter"])
         self.opt.load_state_dict(ck["optim"])
         self.state = State(**ck["state"])
+
+
+def release_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Batches of varying shapes fragment glibc's arenas: without this the process grew to 11 GiB
+    RSS after ~400 steps (peak live memory is ~2-3 GiB).
+    """
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
 
 
 def export(drafter, out: Path) -> None:
