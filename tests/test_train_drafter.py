@@ -12,6 +12,7 @@ from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.training import cli
 from adaptivespec.training.cli import parse_budget
 
+from adaptivespec.training.data import DATA_ROOT
 from shared_prompts import PROMPTS
 
 SHIPPED = Path(__file__).resolve().parents[1] / "adaptivespec" / "heads" / "smollm2-135m-instruct-eagle3"
@@ -33,7 +34,7 @@ def test_budget_units(text, expected):
     (["--draft-vocab", "0"], ["--draft-vocab", "0", "positive integer"]),
     (["--distilled", "/no/such.jsonl"], ["--distilled", "/no/such.jsonl", "expected"]),
     (["--resume"], ["--resume", "no checkpoint"]),
-    (["--data", "/work/shared/data/gsm8k/test.jsonl"], ["--data", "evaluation set"]),
+    (["--data", str(DATA_ROOT / "gsm8k" / "test.jsonl")], ["--data", "evaluation set"]),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
     assert run_cli(["--out", str(tmp_path / "o"), "--quiet", *argv]) == AdaptiveSpecError.exit_code
