@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -159,10 +160,11 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "talon.yaml"
 
 
 @pytest.mark.skipif(not CONFIG.is_file(), reason="configs/talon.yaml is not beside this plugin")
-def test_shipped_config_is_the_paper_setting():
+def test_shipped_config_is_the_paper_setting_with_the_budget_tuned_for_this_cpu():
     config = load_config(CONFIG)
     assert config.policy.name == "talon" and config.verifier.name == "strict"
-    assert config.policy.params == TalonParams()
+    assert attrs.evolve(config.policy.params, budget=TalonParams().budget) == TalonParams()
+    assert config.policy.params.budget >= config.policy.params.topk
 
 
 PROMPTS = ["What is 12 times 7? Answer briefly.", "Write a Python function that returns the factorial of n."]
