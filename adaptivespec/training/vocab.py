@@ -14,7 +14,7 @@ from adaptivespec.training.data import Record
 
 def token_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
     """[V] int64 counts of response tokens."""
-    flat = torch.tensor([t for r in records for t in r.response_ids], dtype=torch.long)
+    flat = torch.cat([torch.tensor(r.response_ids, dtype=torch.long) for r in records] or [torch.zeros(0, dtype=torch.long)])
     return torch.bincount(flat, minlength=vocab_size)
 
 
