@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from adaptivespec.cli import main
-from adaptivespec.config import load_config
+from adaptivespec.config import ConfigError, load_config
+from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation import bench
 from adaptivespec.evaluation.bench import BenchSpec, Entry, RECORD_FIELDS, summarize
 from adaptivespec.evaluation.datasets import load_dataset
 from adaptivespec.evaluation.plots import pareto, pareto_front, speedup_retention
-from adaptivespec.evaluation.sweep import parse_param, reference_entry
+from adaptivespec.evaluation.sweep import parse_param, reference_entry, sweep_entries
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 AR, EAGLE3, LOSSY = (str(CONFIGS / f) for f in ("ar.yaml", "eagle3.yaml", "adaptivespec-lossy.yaml"))
@@ -90,7 +91,9 @@ def test_bench_writes_results(bench_run, random_head_dir):
         texts.setdefault(r["id"], set()).add(r["text"])
     assert len(texts) == 2 and all(len(t) == 1 for t in texts.values())
     md = (bench_run / "results.md").read_text()
-    assert "| config | lossless | tok/s | speedup vs AR | speedup vs EAGLE-3 | accept length | accuracy | retention |" in md
+    assert ("| config | lossless | tok/s | speedup vs AR | speedup vs EAGLE-3 | accept length | accuracy | retention"
+            " | answer agreement | identical text |") in md
+    assert all(r["answer_agreement"] == 1.0 and r["identical_outputs"] == 1.0 for r in rows.values())
     assert all(f"`{n}`" in md for n in rows)
 
 
@@ -162,6 +165,18 @@ def test_parse_param():
             parse_param(bad)
 
 
+def test_sweep_grid_skips_invalid_shapes_only_when_asked():
+    grid = ["policy.nsteps=2,5", "policy.topk=1", "policy.ndt=4"]  # (2, 1, 4): 3 nodes from a 2-node chain
+    with pytest.raises(ConfigError, match=r"policy\.ndt: ndt - 1 = 3 drafted nodes"):
+        sweep_entries(EAGLE3, grid, [])
+    entries, params, skipped = sweep_entries(EAGLE3, grid, [], skip_invalid=True)
+    assert [e.config.policy.params.nsteps for e in entries] == [5] and params["policy.nsteps"] == [2, 5]
+    assert [s["point"] for s in skipped] == ["eagle3[policy.nsteps=2,policy.topk=1,policy.ndt=4]"]
+    assert "at most 2 candidates" in skipped[0]["error"]
+    with pytest.raises(AdaptiveSpecError, match="no valid point"):
+        sweep_entries(EAGLE3, ["policy.nsteps=2", "policy.topk=1", "policy.ndt=4"], [], skip_invalid=True)
+
+
 def test_default_reference_is_the_strict_variant():
     ref = reference_entry(LOSSY, None, ["verifier.kappa=0.3", "runtime.dtype=float32"])
     assert ref.name == "adaptivespec-lossy-strict" and ref.config.verifier.name == "strict"
@@ -184,7 +199,10 @@ def synthetic(tmp_path):
         for i, p in enumerate(problems):
             recs.append({"config": name, "id": p.id, "index": i, "new_tokens": 10 * tps, "wall_seconds": 10.0,
                          "target_forwards": 50, "tokens_per_second": tps, "accept_length_mean": 2.0 * tps,
-                         "promoted_tokens": 0, "correct": i < n_ok, "extracted": "1", "accepted": acc})
+                         "promoted_tokens": 0, "correct": i < n_ok, "accepted": acc,
+                         # lossy[k=0.2] changes the answer of the last two prompts, lossy[k=0.5] only the text
+                         "extracted": "2" if name == "lossy[k=0.2]" and i >= 2 else "1",
+                         "text": f"answer {i}" + (" (lossy)" if name.startswith("lossy") else "")})
     return spec, problems, recs
 
 
@@ -201,6 +219,20 @@ def test_summarize_speedups_and_retention(tmp_path):
     assert rows["ar"]["accept_length_mean"] == pytest.approx(400 / 200)
     assert all(r["complete"] for r in rows.values())
     assert bench.pick_reference(res["configs"], forced="ar") == "ar"
+
+
+def test_answer_agreement_against_the_reference(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    rows = {r["name"]: r for r in summarize(spec, problems, recs)["configs"]}
+    assert rows["eagle3"]["answer_agreement"] == 1.0 and rows["eagle3"]["identical_outputs"] == 1.0
+    assert rows["lossy[k=0.2]"]["answer_agreement"] == pytest.approx(0.5) and rows["lossy[k=0.2]"]["answers_equal"] == 2
+    assert rows["lossy[k=0.5]"]["answer_agreement"] == 1.0 and rows["lossy[k=0.5]"]["identical_outputs"] == 0.0
+    # only prompts run by both count: a contender that ran one prompt is compared on that one
+    partial = [r for r in recs if not (r["config"] == "lossy[k=0.2]" and r["index"] != 3)]
+    row = {r["name"]: r for r in summarize(spec, problems, partial)["configs"]}["lossy[k=0.2]"]
+    assert (row["answers_compared"], row["answers_equal"], row["answer_agreement"]) == (1, 0, 0.0)
+    md = bench.markdown(summarize(spec, problems, recs))
+    assert "50.0% (2/4)" in md
 
 
 def test_plots_on_synthetic_results(tmp_path):

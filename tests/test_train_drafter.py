@@ -120,3 +120,26 @@ def test_shipped_head_accepts_more_than_two_tokens_per_forward():
                                        "policy.nsteps=5", "policy.topk=4", "policy.ndt=12", "verifier.name=strict"]))
     taus = [engine.generate(text, max_new_tokens=64).stats["accept_length_mean"] for text in (PROMPTS[0], PROMPTS[1])]
     assert sum(taus) / len(taus) > 2.0, taus
+
+
+def test_model_card_lists_every_validation_and_resume(tmp_path):
+    from adaptivespec.training.card import card
+
+    (tmp_path / "training").mkdir()
+    settings = {"draft_vocab": 512, "val_frac": 0.025, "seed": 0, "ttt_steps": 2, "decay": 0.8, "lr": 1e-3,
+                "warmup": 20, "min_lr_ratio": 0.1, "clip": 0.5, "batch_tokens": 4096, "budget": "10m", "distilled": None}
+    (tmp_path / "training" / "run.json").write_text(json.dumps(settings))
+    (tmp_path / "training" / "vocab.json").write_text(json.dumps({"draft_vocab": 512, "train_response_tokens": 1000, "coverage": [
+        {"n": 512, "coverage": 0.9, "val_coverage": 0.8, "lm_head_mb": 0.6}]}))
+    rows = [{"time": "t0", "kind": "start", "resume": False, "step": 0, "budget": "10m"},
+            {"time": "t1", "kind": "val", "step": 5, "tokens": 100, "seconds": 60, "epoch": 0, "index": 5, "val_acc": [0.1, 0.05]},
+            {"time": "t2", "kind": "start", "resume": True, "step": 5, "budget": "20m"},
+            {"time": "t3", "kind": "val", "step": 5, "tokens": 100, "seconds": 61, "epoch": 0, "index": 5, "val_acc": [0.12, 0.06]},
+            {"time": "t4", "kind": "val", "step": 9, "tokens": 180, "seconds": 120, "epoch": 1, "index": 1, "val_acc": [0.3, 0.2]}]
+    (tmp_path / "training" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = {"2 fixed": [{"shape": [5, 1, 6], "tau": 2.5, "tau_per_prompt": [2.0, 3.0], "new_tokens": 10, "tokens_per_second": 1.0}]}
+    text = card(tmp_path, evals, 2, 96, "cmd")
+    assert "| 5 | 100 | 0.120 | 0.060 |" in text and "| 9 | 180 | 0.300 | 0.200 |" in text
+    assert "0.100" not in text  # the step validated twice keeps its last measurement
+    assert "resumed at step 5 (budget `20m`)" in text and "steps 9, training tokens 180" in text
+    assert "| 2 fixed | (5, 1, 6) | 2.500 |" in text

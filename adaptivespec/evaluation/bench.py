@@ -19,7 +19,10 @@ lossless config chosen by :func:`pick_reference` (the sweep's ``--reference``; e
 ``eagle3``, else ``ar``, else the first lossless config). ``speedup_vs_ar`` divides by the
 tokens/s of the autoregressive config (the one named ``ar``, else the first autoregressive one),
 ``speedup_vs_eagle3`` by that of the config named ``eagle3``, ``speedup_vs_reference`` by that of
-the reference.
+the reference. ``answer_agreement`` = share of the prompts run by both where the extracted final
+answer equals the reference's (two missing answers count as equal), the measure of what a lossy
+verifier changes that does not depend on the target being good at the task; ``identical_outputs``
+= share whose whole text equals the reference's.
 """
 
 from __future__ import annotations
@@ -351,6 +354,18 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def agreement(records: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, Any]:
+    """Final-answer and whole-text agreement of ``records`` with the reference's, per prompt id."""
+    ref = {r["id"]: r for r in reference}
+    pairs = [(r, ref[r["id"]]) for r in records if r["id"] in ref]
+    equal = sum(r.get("extracted") == q.get("extracted") for r, q in pairs)
+    same = sum(r.get("text") == q.get("text") for r, q in pairs)
+    n = len(pairs)
+    return {"answers_compared": n, "answers_equal": equal,
+            "answer_agreement": equal / n if n else None,
+            "identical_outputs": same / n if n else None}
+
+
 def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``results.json`` document of a run from its records."""
     from adaptivespec.evaluation.peers import describe_peer
@@ -381,6 +396,7 @@ def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, 
         row["speedup_vs_eagle3"] = _ratio(row["tokens_per_second"], tps[eagle3]) if eagle3 else None
         row["speedup_vs_reference"] = _ratio(row["tokens_per_second"], tps[ref]) if ref else None
         row["retention"] = _ratio(row["accuracy"], acc[ref]) if ref else None
+        row.update(agreement(by_name[row["name"]], by_name[ref] if ref else []))
         row["records"] = [{k: r.get(k) for k in RECORD_FIELDS} for r in by_name[row["name"]]]
     return {
         "meta": run_metadata(spec, problems),
@@ -462,13 +478,15 @@ def markdown(results: dict[str, Any], extra_columns: list[str] = ()) -> str:
         + (f" · {', '.join(m['gpus'].values())}" if m.get("gpus") else "")
         + f" · torch {meta['torch']}",
         "",
-        f"Retention = accuracy / accuracy of `{results['reference']}` (lossless reference). "
+        f"Retention = accuracy / accuracy of `{results['reference']}` (lossless reference); answer agreement = "
+        f"final answer equal to `{results['reference']}`'s; identical text = whole output equal. "
         "Speedups are ratios of tokens/s (total new tokens / total wall seconds).",
         "",
     ]
     by_ref = meta["command"] == "sweep"  # a sweep's speedups are against its reference
     head = ["config", *extra_columns, "lossless", "tok/s", "speedup vs AR", "speedup vs EAGLE-3",
-            *([f"speedup vs {results['reference']}"] if by_ref else []), "accept length", "accuracy", "retention"]
+            *([f"speedup vs {results['reference']}"] if by_ref else []), "accept length", "accuracy", "retention",
+            "answer agreement", "identical text"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for r in results["configs"]:
@@ -479,7 +497,9 @@ def markdown(results: dict[str, Any], extra_columns: list[str] = ()) -> str:
                  _fmt(r["speedup_vs_ar"], ".2f", "×"), _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
                  *([_fmt(r["speedup_vs_reference"], ".2f", "×")] if by_ref else []),
                  _fmt(r["accept_length_mean"], ".2f"), acc,
-                 "–" if r["retention"] is None else f"{100 * r['retention']:.1f}%"]
+                 "–" if r["retention"] is None else f"{100 * r['retention']:.1f}%",
+                 "–" if r["answer_agreement"] is None else f"{100 * r['answer_agreement']:.1f}% ({r['answers_equal']}/{r['answers_compared']})",
+                 _fmt(None if r["identical_outputs"] is None else 100 * r["identical_outputs"], ".0f", "%")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

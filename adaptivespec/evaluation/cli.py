@@ -51,6 +51,9 @@ def add_sweep_parser(sub) -> None:
     p.add_argument("--param", action="append", required=True, metavar="KEY=V1,V2,...",
                    help="parameter and values, e.g. verifier.kappa=0.1,0.3,0.5 (repeat for a grid)")
     p.add_argument("--reference", metavar="FILE", help="lossless reference config (default: --config with verifier: strict)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="leave out grid points whose config is invalid (e.g. a tree shape whose ndt exceeds what "
+                        "nsteps and topk can draft) instead of stopping; they are listed")
     _add_common(p)
     p.set_defaults(func=run_sweep_command)
 
@@ -99,11 +102,14 @@ def run_sweep_command(args) -> int:
     from adaptivespec.evaluation.sweep import reference_entry, sweep_entries
 
     problems, max_new, overrides = _problems(args)
-    points, params = sweep_entries(args.config, args.param, overrides)
+    points, params, skipped = sweep_entries(args.config, args.param, overrides, skip_invalid=args.skip_invalid)
+    for s in skipped:
+        print(f"sweep: skipped {s['point']}: {s['error']}", file=sys.stderr)
     ref = reference_entry(args.config, args.reference, overrides)
     spec = BenchSpec(entries=(ref, *points), dataset=args.dataset, data=args.data, limit=args.limit,
                      max_new_tokens=max_new, reference=ref.name, command="sweep", columns=tuple(params),
-                     extra={"sweep": {"config": args.config, "params": params, "reference": ref.name}})
+                     extra={"sweep": {"config": args.config, "params": params, "reference": ref.name,
+                                      "skipped": [s["point"] for s in skipped]}})
     keys = "-".join(k.split(".")[-1] for k in params)
     out = Path(args.out or f"runs/sweep-{Path(args.config).stem}-{keys}-{args.dataset}")
     results = run_bench(spec, problems, out, progress=not args.no_progress)

@@ -40,20 +40,35 @@ def parse_param(text: str) -> tuple[str, list[tuple[str, float | int]]]:
     return key, values
 
 
-def sweep_entries(config: str, params: list[str], overrides: list[str]) -> tuple[list[Entry], dict[str, list]]:
-    """One :class:`Entry` per point of the grid of ``params`` (each validated as a config)."""
+def sweep_entries(config: str, params: list[str], overrides: list[str], *, skip_invalid: bool = False
+                  ) -> tuple[list[Entry], dict[str, list], list[dict[str, str]]]:
+    """One :class:`Entry` per point of the grid of ``params`` (each validated as a config).
+
+    With ``skip_invalid``, grid points whose config is invalid (coupled parameters, e.g. a tree
+    shape whose ``ndt`` exceeds what ``nsteps`` x ``topk`` can draft) are left out and returned as
+    ``{"point": name, "error": message}``; otherwise the first invalid point raises.
+    """
     parsed = [parse_param(p) for p in params]
     keys = [k for k, _ in parsed]
     if len(set(keys)) != len(keys):
         raise AdaptiveSpecError(f"--param: a key is swept twice ({', '.join(keys)})")
     stem = Path(config).stem
-    entries = []
+    entries, skipped = [], []
     for point in itertools.product(*(values for _, values in parsed)):
         sets = [f"{k}={text}" for k, (text, _) in zip(keys, point)]
         name = f"{stem}[{','.join(sets)}]"
-        entries.append(Entry(name=name, config=load_bench_config(config, [*overrides, *sets]),
-                             sweep={k: v for k, (_, v) in zip(keys, point)}))
-    return entries, {k: [v for _, v in values] for k, values in parsed}
+        try:
+            cfg = load_bench_config(config, [*overrides, *sets])
+        except AdaptiveSpecError as exc:
+            if not skip_invalid:
+                raise
+            skipped.append({"point": name, "error": str(exc)})
+            continue
+        entries.append(Entry(name=name, config=cfg, sweep={k: v for k, (_, v) in zip(keys, point)}))
+    if not entries:
+        raise AdaptiveSpecError(f"--param: no valid point in the grid of {', '.join(keys)} ({len(skipped)} invalid); "
+                                f"first error: {skipped[0]['error'] if skipped else 'none'}")
+    return entries, {k: [v for _, v in values] for k, values in parsed}, skipped
 
 
 def reference_entry(config: str, reference: str | None, overrides: list[str]) -> Entry:

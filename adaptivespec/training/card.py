@@ -89,12 +89,16 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
             f"(epoch {last.get('epoch', '?')}, batch {last.get('index', '?')}), "
             f"{last.get('seconds', 0) / 3600:.2f} h of training steps; log from {first_time} to {last_time}",
             f"- machine: 2 shared vCPUs (Sapphire Rapids, AMX), no GPU; {platform.python_version()}, torch {torch.__version__}",
-            f"- budget `{settings.get('budget')}`, command settings in `training/run.json` of the run", "",
+            f"- budget `{settings.get('budget')}`, command settings in `training/run.json` of the run"
+            + "".join(f"; resumed at step {r['step']} (budget `{r.get('budget')}`)"
+                      for r in rows if r["kind"] == "start" and r.get("resume")), "",
             "## Validation (held-out records, teacher-forced)", "",
             "Top-1 agreement of draft step j with the target's greedy token (restricted to the draft vocabulary):", "",
-            "| step | " + " | ".join(f"j={j}" for j in range(k)) + " |", "|---|" + "---|" * k]
-    for r in val[-4:]:
-        out.append(f"| {r['step']} | " + " | ".join(f"{a:.3f}" for a in r["val_acc"]) + " |")
+            "| step | training tokens | " + " | ".join(f"j={j}" for j in range(k)) + " |", "|---|---:|" + "---|" * k]
+    by_step = {r["step"]: r for r in val}  # a resumed run may validate a step twice: keep the last
+    for step in sorted(by_step):
+        r = by_step[step]
+        out.append(f"| {step} | {r.get('tokens', 0):,} | " + " | ".join(f"{a:.3f}" for a in r["val_acc"]) + " |")
     out += ["", "## Mean accepted length", "",
             "tau = generated tokens / target forwards (bf16, static policy, strict verifier, "
             f"max {max_new} new tokens).", "", "| prompts | shape (nsteps, topk, ndt) | tau | per prompt |", "|---|---|---|---|"]
