@@ -9,8 +9,12 @@ compaction and the drafter's extension with the accepted path.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from adaptivespec.config import load_config
 from adaptivespec.decode import Engine
@@ -23,6 +27,9 @@ pytestmark = pytest.mark.model
 SHAPES = {"chain": (7, 1, 8), "wide": (3, 4, 10), "deep": (6, 3, 16)}
 POLICIES = {name: [f"policy.nsteps={n}", f"policy.topk={k}", f"policy.ndt={d}"] for name, (n, k, d) in SHAPES.items()}
 POLICIES["dcs"] = ["policy.name=dcs"]  # shapes change every step between (3,4,4) and (7,1,8)
+# the policy exactly as configs/adaptivespec-dynamic.yaml ships it (CPU-tuned ends, depth-1 trees included)
+_SHIPPED = yaml.safe_load((Path(__file__).parents[1] / "configs" / "adaptivespec-dynamic.yaml").read_text())["policy"]
+POLICIES["dcs-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _SHIPPED.items()]
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -90,11 +97,12 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
             tokens += res.stats["new_tokens"]
     finally:
         drafter.__class__ = Eagle3Drafter
-    assert tokens / forwards > 1.8  # the test really exercised acceptance
+    # the test really exercised acceptance (the shipped DCS ends include depth-1 trees: less per step)
+    assert tokens / forwards > (1.5 if policy == "dcs-shipped" else 1.8)
     if any(s.topk > 1 for s in shapes):  # and accepted paths that are not the first-ranked chain
         assert any(p != list(range(len(p))) for p in paths)
-    if policy == "dcs":  # the policy really switched shapes
-        assert len(shapes) >= 3
+    if policy.startswith("dcs"):  # the policy really switched shapes
+        assert len(shapes) >= (3 if policy == "dcs" else 2)
 
 
 def test_generation_stops_exactly_at_limit_and_eos(full_vocab_head_dir, greedy_reference, smol32):

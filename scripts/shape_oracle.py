@@ -1,0 +1,305 @@
+"""How much could *any* per-step tree-shape policy gain over the best static shape? An upper bound.
+
+For each prompt, the greedy output ``Y`` is generated once; then, teacher-forced along ``Y``, at
+every position ``i`` the drafter drafts the largest tree of each branching factor and the script
+reads off ``a_S(i)``, the tokens shape ``S`` would accept there (a longest tree path matching
+``Y[i+1:]``, exactly what strict verification accepts). Shapes with the same branching share their
+levels (beam search does not depend on the depth), so one draft per branching serves every
+``(nsteps, ndt)``. With a per-step cost ``t(S)`` (a linear model fitted to a static-shape sweep's
+measured step times, or measured here), three schedules are timed over the same tokens:
+
+* ``static``: the best single shape;
+* ``oracle``: the per-step choice that minimises total time (dynamic programming over positions),
+  a bound no real policy reaches, since it knows the future;
+* ``p1-bins``: a policy that maps the draft's top-1 probability at the root (the signal DCS reads)
+  to a shape through ``--bins`` quantile bins, each bin's shape fitted in-sample by coordinate
+  descent (optimistic for a policy that only sees p1).
+
+    python scripts/shape_oracle.py --sweep runs/shape/trees runs/shape/chains \\
+        --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128
+
+Prints a JSON summary (and writes it with ``--out``). bfloat16 teacher forcing matches incremental
+decoding up to rounding, so ``a_S`` is an estimate at the 1-2% level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from adaptivespec.config import load_config
+from adaptivespec.decode import Engine
+from adaptivespec.evaluation.datasets import load_dataset
+from adaptivespec.types import TreeShape
+
+DEPTH = 7
+BRANCHING = (1, 2, 3, 4, 8)
+
+
+def fit_cost(sweeps: list[Path]) -> tuple[list[float], list[tuple], float]:
+    """Least-squares step time (s) ~ c0 + c1*nsteps + c2*nsteps*topk + c3*ndt from sweep records."""
+    rows = []
+    for d in sweeps:
+        res = json.loads((d / "results.json").read_text())
+        for r in res["configs"]:
+            if "sweep" not in r or not r.get("target_forwards"):
+                continue
+            p = r["config"]["policy"]
+            rows.append((p["nsteps"], p["topk"], p["ndt"], r["wall_seconds"] / r["target_forwards"]))
+    X = torch.tensor([[1.0, n, n * k, m] for n, k, m, _ in rows], dtype=torch.float64)
+    y = torch.tensor([t for *_, t in rows], dtype=torch.float64)
+    coef = torch.linalg.lstsq(X, y.unsqueeze(1)).solution.squeeze(1)
+    resid = (X @ coef - y) / y
+    return coef.tolist(), rows, float(resid.abs().mean())
+
+
+def sh(s: TreeShape) -> list[int]:
+    return [s.nsteps, s.topk, s.ndt]
+
+
+def cost(coef, s: TreeShape) -> float:
+    return coef[0] + coef[1] * s.nsteps + coef[2] * s.nsteps * s.topk + coef[3] * s.ndt
+
+
+def accepted_for_shapes(tree, cont: torch.Tensor, shapes_k: list[TreeShape]) -> dict[TreeShape, int]:
+    """a_S for every shape of one branching from one full tree (all candidates kept)."""
+    depth, logp, anc = tree.depth, tree.draft_logp, tree.ancestors
+    n = depth.shape[0]
+    want = torch.full((n,), -1, dtype=torch.long)
+    ok_d = depth <= cont.shape[0]
+    want[ok_d & (depth > 0)] = cont[(depth[ok_d & (depth > 0)] - 1)]
+    match = (tree.tokens == want) | (depth == 0)
+    out = {}
+    order = torch.arange(n)
+    for s in shapes_k:
+        cand = (depth >= 1) & (depth <= s.nsteps)
+        idx = order[cand]
+        # ndt - 1 best by cumulative score, stable (pool order keeps parents first)
+        sel = idx[torch.sort(logp[idx], descending=True, stable=True).indices[: s.ndt - 1]]
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[0] = True
+        kept[sel] = True
+        good = kept & match
+        path_ok = (~anc | good.unsqueeze(0)).all(dim=1) & kept  # every ancestor-or-self kept and matching
+        out[s] = int(depth[path_ok].max())
+    return out
+
+
+def simulate(choice, acc: list[dict], times: dict) -> float:
+    """Time to emit every token when shape ``choice(i)`` is used at position i."""
+    i, total, N = 0, 0.0, len(acc)
+    while i < N:
+        s = choice(i)
+        total += times[s]
+        i += acc[i][s] + 1
+    return total
+
+
+def oracle(acc: list[dict], times: dict, shapes) -> float:
+    N = len(acc)
+    f = [0.0] * (N + 1)
+    for i in range(N - 1, -1, -1):
+        f[i] = min(times[s] + f[min(N, i + acc[i][s] + 1)] for s in shapes)
+    return f[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", nargs="+", required=True, help="sweep run folders (results.json) for the cost model")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--bins", type=int, default=4)
+    ap.add_argument("--out")
+    ap.add_argument("--policy", action="append", default=[], metavar="FILE.yaml",
+                    help="also simulate the tree policy of this config on the measured acceptances (repeatable)")
+    ap.add_argument("--cached", help="reuse the acceptances saved by an earlier run (its --out with .pt)")
+    args = ap.parse_args(argv)
+    coef, rows, err = fit_cost([Path(p) for p in args.sweep])
+    print(f"cost model: t = {coef[0]*1e3:.1f} + {coef[1]*1e3:.2f}*nsteps + {coef[2]*1e3:.3f}*nsteps*topk + "
+          f"{coef[3]*1e3:.3f}*ndt ms; mean |rel. error| {100*err:.1f}% over {len(rows)} shapes", file=sys.stderr)
+
+    shapes = []
+    for k in BRANCHING:
+        for ns in range(1, DEPTH + 1):
+            for ndt in range(2, 25):
+                try:
+                    shapes.append(TreeShape(ns, k, ndt))
+                except ValueError:
+                    continue
+    times = {s: cost(coef, s) for s in shapes}
+
+    if args.cached:
+        blob = torch.load(args.cached)
+        by_key = {tuple(sh(x)): x for x in shapes}
+        acc_all = [[{by_key[k]: v for k, v in a.items() if k in by_key} for a in acc] for acc in blob["acc"]]
+        p1_all, problems = blob["p1"], [None] * len(blob["acc"])
+    else:
+        acc_all, p1_all, problems = measure(args, shapes)
+    analyse(args, coef, err, shapes, times, acc_all, p1_all, problems)
+    return 0
+
+
+def measure(args, shapes):
+    eng = Engine(load_config(None, ["policy.nsteps=4", "policy.topk=4", "policy.ndt=8", "runtime.dtype=bfloat16"]))
+    rt, d = eng.runtime, eng.runtime.drafter
+    full = {k: TreeShape(DEPTH, k, k + (DEPTH - 1) * k * k + 1) for k in BRANCHING}
+    rt.prepare([*full.values(), *eng.policy.shapes()], capacity=4096)
+    problems = load_dataset(args.dataset, args.data, args.limit)
+    acc_all, p1_all = [], []
+    checked = [0, 0]  # steps compared, steps equal
+    with torch.inference_mode():
+        for pi, prob in enumerate(problems):
+            ids = eng.encode(prob.prompt)
+            res = eng.generate_ids(ids, max_new_tokens=args.max_new_tokens)
+            Y = res.token_ids
+            seq = torch.tensor([ids + Y])
+            rt.prefill(ids, len(Y) + 64)  # sets up caches and bank sizes
+            out = eng.target(input_ids=seq, output_hidden_states=True, logits_to_keep=1)
+            state = d.fuse(out.hidden_states)[0]  # [L, H]
+            L = seq.shape[1]
+            d.reset_cache(capacity=L + 2048)
+            outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)  # position i: (token[i+1], state[i])
+            saved_k, saved_v = d._k.clone(), d._v.clone()
+            acc = []
+            for j in range(len(Y) - 1):
+                P = len(ids) + j
+                d.length = P
+                rt.P, rt.root = P, seq[0, P]
+                rt.root_state = outs[P - 1]
+                rt.root_logp = d.log_probs(outs[P - 1])
+                p1_all.append(float(rt.root_logp.max().exp()))
+                cont = seq[0, P + 1 :]
+                a = {}
+                for k, big in full.items():
+                    d.length = P  # drafting appends scratch slots: every tree starts from the same cache
+                    tree = rt.draft(big, eng.policy)
+                    d._k[:, :, P : P + 1024] = saved_k[:, :, P : P + 1024]
+                    d._v[:, :, P : P + 1024] = saved_v[:, :, P : P + 1024]
+                    a.update(accepted_for_shapes(tree, cont, [s for s in shapes if s.topk == k]))
+                acc.append(a)
+            acc_all.append(acc)
+            # self-check: the decode that made Y used the engine's static shape; its real accepted
+            # lengths must match the teacher-forced ones at the positions it visited
+            i = 0
+            for rec in res.records:
+                if i >= len(acc):
+                    break
+                checked[0] += 1
+                checked[1] += acc[i][rec.shape] == rec.accepted
+                i += rec.accepted + 1
+            print(f"prompt {pi + 1}/{len(problems)}: {len(Y)} tokens; self-check {checked[1]}/{checked[0]} steps "
+                  f"of {rec.shape} predicted exactly", file=sys.stderr)
+    return acc_all, p1_all, problems
+
+
+def simulate_policy(path: str, acc_all, p1_by, times) -> float:
+    """Total time of the tree policy of config ``path`` replayed on the measured acceptances: it
+    reads the draft top-1 probability at each step and observes the accepted length, as in decoding."""
+    from adaptivespec.plugins import get_plugin_host
+    from adaptivespec.types import StepRecord, StepSignals
+
+    cfg = load_config(path, [])
+    policy = get_plugin_host().policies.get(cfg.policy.name).cls(cfg.policy.params)
+    missing = [s for s in policy.shapes() if s not in times]
+    if missing:
+        raise SystemExit(f"--policy {path}: shapes {', '.join(map(str, missing))} were not measured "
+                         f"(branching {BRANCHING}, depth <= {DEPTH}, ndt <= 24)")
+    total = 0.0
+    for acc, pp in zip(acc_all, p1_by):
+        policy.reset()
+        i = step = 0
+        last = -1
+        while i < len(acc):
+            shape = policy.next_shape(StepSignals(step=step, draft_top1_prob=pp[i], last_accepted=last))
+            a = acc[i][shape]
+            total += times[shape]
+            policy.observe(StepRecord(step=step, shape=shape, tree_size=shape.ndt, accepted=a, promoted=0,
+                                      new_tokens=a + 1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
+            i, step, last = i + a + 1, step + 1, a
+    return total
+
+
+def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
+
+    if args.out:
+        torch.save({"acc": [[{tuple(sh(k)): v for k, v in a.items()} for a in acc] for acc in acc_all], "p1": p1_all},
+                   Path(args.out).with_suffix(".pt"))
+
+    static = {s: sum(simulate(lambda i: s, acc, times) for acc in acc_all) for s in shapes}
+    best = min(static, key=static.get)
+    orc = sum(oracle(acc, times, shapes) for acc in acc_all)
+    p1_by, off = [], 0
+    for acc in acc_all:
+        p1_by.append(p1_all[off : off + len(acc)])
+        off += len(acc)
+    qs = sorted(p1_all)
+    edges = [qs[int(len(qs) * b / args.bins)] for b in range(1, args.bins)]
+    ema_edges = [1.0, 2.0]  # EMA of accepted tokens per step: < 1, [1, 2), >= 2
+
+    def run_policy(table) -> float:
+        """Total time of the policy shape = table[p1 bin][EMA bin]; EMA (alpha 0.3) over its own steps."""
+        total = 0.0
+        for acc, pp in zip(acc_all, p1_by):
+            i, ema, N = 0, 1.5, len(acc)
+            while i < N:
+                s = table[sum(pp[i] >= e for e in edges)][sum(ema >= e for e in ema_edges)]
+                total += times[s]
+                a = acc[i][s]
+                ema = 0.3 * a + 0.7 * ema
+                i += a + 1
+        return total
+
+    def descend(cells_p1: int, cells_ema: int) -> tuple[float, list]:
+        table = [[best] * cells_ema for _ in range(cells_p1)]
+        expand = lambda t: [[row[0]] * 3 if cells_ema == 1 else row for row in t]
+        cur = run_policy(expand(table))
+        for _ in range(3):
+            improved = False
+            for b in range(cells_p1):
+                for e in range(cells_ema):
+                    for s in shapes:
+                        trial = [row[:] for row in table]
+                        trial[b][e] = s
+                        t = run_policy(expand(trial))
+                        if t < cur - 1e-12:
+                            cur, table, improved = t, trial, True
+            if not improved:
+                break
+        return cur, table
+
+    t_p1, pick = descend(args.bins, 1)
+    t_p1ema, pick2 = descend(args.bins, 3)
+    tokens = sum(len(a) for a in acc_all)
+    top = sorted(static, key=static.get)[:5]
+    policies = {}
+    for path in args.policy:
+        t = simulate_policy(path, acc_all, p1_by, times)
+        policies[path] = {"tok_per_s": tokens / t, "vs_best_static": static[best] / t}
+    summary = {
+        "prompts": len(problems), "positions": tokens,
+        "cost_model_ms": [c * 1e3 for c in coef], "cost_model_mean_rel_error": err,
+        "best_static": {"shape": sh(best), "seconds": static[best], "tok_per_s": tokens / static[best]},
+        "top_static": [{"shape": sh(s), "tok_per_s": tokens / static[s]} for s in top],
+        "oracle": {"seconds": orc, "tok_per_s": tokens / orc, "vs_best_static": static[best] / orc},
+        "p1_bins": {"edges": edges, "shapes": [sh(r[0]) for r in pick], "seconds": t_p1, "tok_per_s": tokens / t_p1,
+                    "vs_best_static": static[best] / t_p1},
+        "p1_ema_bins": {"p1_edges": edges, "ema_edges": ema_edges, "shapes": [[sh(c) for c in r] for r in pick2],
+                        "seconds": t_p1ema, "tok_per_s": tokens / t_p1ema, "vs_best_static": static[best] / t_p1ema},
+        "policies": policies,
+    }
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
