@@ -1,0 +1,61 @@
+"""scripts/shape_oracle.py: acceptance per shape read off one full tree, and the schedule maths."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptivespec.tree import ancestor_matrix
+from adaptivespec.types import DraftTree, TreeShape
+
+_spec = importlib.util.spec_from_file_location("shape_oracle", Path(__file__).parents[1] / "scripts" / "shape_oracle.py")
+oracle_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(oracle_mod)
+
+
+def full_tree() -> DraftTree:
+    # root 0; depth 1: 1 (tok 5, -0.1), 2 (tok 6, -0.5); depth 2: 3 under 1 (tok 7, -0.3), 4 under 2
+    # (tok 8, -0.9); depth 3: 5 under 3 (tok 9, -0.6)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 3])
+    return DraftTree(tokens=torch.tensor([1, 5, 6, 7, 8, 9]), parents=parents, depth=torch.tensor([0, 1, 1, 2, 2, 3]),
+                     ancestors=ancestor_matrix(parents, 3), draft_logp=torch.tensor([0.0, -0.1, -0.5, -0.3, -0.9, -0.6]),
+                     shape=TreeShape(3, 2, 6))
+
+
+@pytest.mark.parametrize("cont, expected", [
+    ([5, 7, 9], {(1, 2, 3): 1, (2, 2, 3): 2, (3, 2, 4): 2, (3, 2, 5): 3, (3, 2, 6): 3}),
+    # the second branch is kept only when ndt leaves room for it, and its child later still
+    ([6, 8, 0], {(1, 2, 3): 1, (2, 2, 3): 0, (2, 2, 4): 1, (2, 2, 5): 2, (3, 2, 5): 1, (3, 2, 6): 2}),
+    ([4, 4, 4], {(3, 2, 6): 0}),
+    ([5], {(3, 2, 6): 1}),  # the continuation ends before the tree does
+])
+def test_accepted_length_of_every_sub_shape(cont, expected):
+    shapes = [TreeShape(*s) for s in expected]
+    got = oracle_mod.accepted_for_shapes(full_tree(), torch.tensor(cont), shapes)
+    assert {(s.nsteps, s.topk, s.ndt): a for s, a in got.items()} == expected
+
+
+def test_static_schedule_and_oracle_against_brute_force():
+    a, b = TreeShape(1, 1, 2), TreeShape(4, 1, 5)
+    times = {a: 1.0, b: 3.0}
+    gen = torch.Generator().manual_seed(0)
+    acc = [{a: int(torch.randint(0, 2, (1,), generator=gen)), b: int(torch.randint(0, 5, (1,), generator=gen))} for _ in range(9)]
+    # static: walk the positions with one shape
+    i, t = 0, 0.0
+    while i < len(acc):
+        t, i = t + times[b], i + acc[i][b] + 1
+    assert oracle_mod.simulate(lambda i: b, acc, times) == pytest.approx(t)
+    # oracle: the best of every schedule (choice per step, at most 9 steps)
+    best = float("inf")
+    for choice in itertools.product((a, b), repeat=9):
+        i, t, k = 0, 0.0, 0
+        while i < len(acc):
+            s = choice[k]
+            t, i, k = t + times[s], i + acc[i][s] + 1, k + 1
+        best = min(best, t)
+    assert oracle_mod.oracle(acc, times, [a, b]) == pytest.approx(best)
+    assert best <= min(oracle_mod.simulate(lambda i, s=s: s, acc, times) for s in (a, b))
