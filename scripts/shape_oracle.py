@@ -5,28 +5,31 @@ every position ``i`` the drafter drafts the largest tree of each branching facto
 reads off ``a_S(i)``, the tokens shape ``S`` would accept there (a longest tree path matching
 ``Y[i+1:]``, exactly what strict verification accepts). Shapes with the same branching share their
 levels (beam search does not depend on the depth), so one draft per branching serves every
-``(nsteps, ndt)``. With a per-step cost ``t(S)`` (a linear model fitted to a static-shape sweep's
-measured step times, or measured here), three schedules are timed over the same tokens:
+``(nsteps, ndt)``. A self-check compares ``a_S`` with the accepted lengths of the real decode that
+produced ``Y``. With a per-step cost ``t(S)`` (a linear model fitted to the measured step times of
+static-shape sweeps, ``--sweep``), schedules are timed over the same tokens:
 
-* ``static``: the best single shape;
+* ``best_static``: the best single shape;
 * ``oracle``: the per-step choice that minimises total time (dynamic programming over positions),
   a bound no real policy reaches, since it knows the future;
-* ``p1-bins``: a policy that maps the draft's top-1 probability at the root (the signal DCS reads)
-  to a shape through ``--bins`` quantile bins, each bin's shape fitted in-sample by coordinate
-  descent (optimistic for a policy that only sees p1).
+* ``p1_bins``: a map from the draft's top-1 probability at the root (the signal DCS reads,
+  ``--bins`` quantile bins) to a shape, fitted in-sample by coordinate descent (optimistic);
+* ``p1_ema_bins``: the same over (p1 bin, tercile of the accepted-length EMA with alpha 0.3);
+* ``policies``: each ``--policy`` config's tree policy replayed step by step (it reads p1 and
+  observes accepted lengths as in decoding). Only policies that keep the default beam rules
+  (``select_level`` / ``select_final``) can be replayed: the acceptances are those of beam trees.
 
     python scripts/shape_oracle.py --sweep runs/shape/trees runs/shape/chains \\
-        --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128
+        --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128 --out oracle.json
 
-Prints a JSON summary (and writes it with ``--out``). bfloat16 teacher forcing matches incremental
-decoding up to rounding, so ``a_S`` is an estimate at the 1-2% level.
+Prints a JSON summary (and writes it with ``--out``, the acceptances beside it as ``.pt`` for
+``--cached``). bfloat16 teacher forcing matches incremental decoding up to rounding.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -90,13 +93,17 @@ def accepted_for_shapes(tree, cont: torch.Tensor, shapes_k: list[TreeShape]) -> 
     return out
 
 
-def simulate(choice, acc: list[dict], times: dict) -> float:
-    """Time to emit every token when shape ``choice(i)`` is used at position i."""
+def simulate(choose, acc: list[dict], times: dict, observe=None) -> float:
+    """Time to emit every token when shape ``choose(i)`` is used at position i; ``observe(a)``
+    (optional) sees each step's accepted length, for schedules that keep state."""
     i, total, N = 0, 0.0, len(acc)
     while i < N:
-        s = choice(i)
+        s = choose(i)
+        a = acc[i][s]
         total += times[s]
-        i += acc[i][s] + 1
+        if observe is not None:
+            observe(a)
+        i += a + 1
     return total
 
 
@@ -139,10 +146,10 @@ def main(argv=None) -> int:
         blob = torch.load(args.cached)
         by_key = {tuple(sh(x)): x for x in shapes}
         acc_all = [[{by_key[k]: v for k, v in a.items() if k in by_key} for a in acc] for acc in blob["acc"]]
-        p1_all, problems = blob["p1"], [None] * len(blob["acc"])
+        p1_all = blob["p1"]
     else:
-        acc_all, p1_all, problems = measure(args, shapes)
-    analyse(args, coef, err, shapes, times, acc_all, p1_all, problems)
+        acc_all, p1_all = measure(args, shapes)
+    analyse(args, coef, err, shapes, times, acc_all, p1_all)
     return 0
 
 
@@ -160,7 +167,7 @@ def measure(args, shapes):
             res = eng.generate_ids(ids, max_new_tokens=args.max_new_tokens)
             Y = res.token_ids
             seq = torch.tensor([ids + Y])
-            rt.prefill(ids, len(Y) + 64)  # sets up caches and bank sizes
+            rt.bank.reserve(seq.shape[1] + max(b.ndt for b in full.values()) + 1)
             out = eng.target(input_ids=seq, output_hidden_states=True, logits_to_keep=1)
             state = d.fuse(out.hidden_states)[0]  # [L, H]
             L = seq.shape[1]
@@ -196,17 +203,22 @@ def measure(args, shapes):
                 i += rec.accepted + 1
             print(f"prompt {pi + 1}/{len(problems)}: {len(Y)} tokens; self-check {checked[1]}/{checked[0]} steps "
                   f"of {rec.shape} predicted exactly", file=sys.stderr)
-    return acc_all, p1_all, problems
+    return acc_all, p1_all
 
 
 def simulate_policy(path: str, acc_all, p1_by, times) -> float:
     """Total time of the tree policy of config ``path`` replayed on the measured acceptances: it
     reads the draft top-1 probability at each step and observes the accepted length, as in decoding."""
     from adaptivespec.plugins import get_plugin_host
+    from adaptivespec.strategies import TreePolicy
     from adaptivespec.types import StepRecord, StepSignals
 
     cfg = load_config(path, [])
     policy = get_plugin_host().policies.get(cfg.policy.name).cls(cfg.policy.params)
+    cls = type(policy)
+    if cls.select_level is not TreePolicy.select_level or cls.select_final is not TreePolicy.select_final:
+        raise SystemExit(f"--policy {path}: policy {cfg.policy.name!r} drafts with its own level rules; the "
+                         "measured acceptances are those of beam trees, so it cannot be replayed")
     missing = [s for s in policy.shapes() if s not in times]
     if missing:
         raise SystemExit(f"--policy {path}: shapes {', '.join(map(str, missing))} were not measured "
@@ -214,20 +226,23 @@ def simulate_policy(path: str, acc_all, p1_by, times) -> float:
     total = 0.0
     for acc, pp in zip(acc_all, p1_by):
         policy.reset()
-        i = step = 0
-        last = -1
-        while i < len(acc):
-            shape = policy.next_shape(StepSignals(step=step, draft_top1_prob=pp[i], last_accepted=last))
-            a = acc[i][shape]
-            total += times[shape]
-            policy.observe(StepRecord(step=step, shape=shape, tree_size=shape.ndt, accepted=a, promoted=0,
+        step = [0, -1, None]  # step index, last accepted, shape of the step
+
+        def choose(i):
+            step[2] = policy.next_shape(StepSignals(step=step[0], draft_top1_prob=pp[i], last_accepted=step[1]))
+            return step[2]
+
+        def observe(a):
+            shape = step[2]
+            policy.observe(StepRecord(step=step[0], shape=shape, tree_size=shape.ndt, accepted=a, promoted=0,
                                       new_tokens=a + 1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
-            i, step, last = i + a + 1, step + 1, a
+            step[0], step[1] = step[0] + 1, a
+
+        total += simulate(choose, acc, times, observe)
     return total
 
 
-def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
-
+def analyse(args, coef, err, shapes, times, acc_all, p1_all) -> None:
     if args.out:
         torch.save({"acc": [[{tuple(sh(k)): v for k, v in a.items()} for a in acc] for acc in acc_all], "p1": p1_all},
                    Path(args.out).with_suffix(".pt"))
@@ -244,22 +259,25 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
     ema_edges = [1.0, 2.0]  # EMA of accepted tokens per step: < 1, [1, 2), >= 2
 
     def run_policy(table) -> float:
-        """Total time of the policy shape = table[p1 bin][EMA bin]; EMA (alpha 0.3) over its own steps."""
+        """Total time of the policy shape = table[p1 bin][EMA bin] (a one-column table ignores the
+        EMA); EMA (alpha 0.3) of the accepted lengths of its own steps, starting at 1.5."""
         total = 0.0
         for acc, pp in zip(acc_all, p1_by):
-            i, ema, N = 0, 1.5, len(acc)
-            while i < N:
-                s = table[sum(pp[i] >= e for e in edges)][sum(ema >= e for e in ema_edges)]
-                total += times[s]
-                a = acc[i][s]
-                ema = 0.3 * a + 0.7 * ema
-                i += a + 1
+            ema = [1.5]
+
+            def choose(i):
+                row = table[sum(pp[i] >= e for e in edges)]
+                return row[min(sum(ema[0] >= e for e in ema_edges), len(row) - 1)]
+
+            def observe(a):
+                ema[0] = 0.3 * a + 0.7 * ema[0]
+
+            total += simulate(choose, acc, times, observe)
         return total
 
     def descend(cells_p1: int, cells_ema: int) -> tuple[float, list]:
         table = [[best] * cells_ema for _ in range(cells_p1)]
-        expand = lambda t: [[row[0]] * 3 if cells_ema == 1 else row for row in t]
-        cur = run_policy(expand(table))
+        cur = run_policy(table)
         for _ in range(3):
             improved = False
             for b in range(cells_p1):
@@ -267,7 +285,7 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
                     for s in shapes:
                         trial = [row[:] for row in table]
                         trial[b][e] = s
-                        t = run_policy(expand(trial))
+                        t = run_policy(trial)
                         if t < cur - 1e-12:
                             cur, table, improved = t, trial, True
             if not improved:
@@ -283,7 +301,7 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
         t = simulate_policy(path, acc_all, p1_by, times)
         policies[path] = {"tok_per_s": tokens / t, "vs_best_static": static[best] / t}
     summary = {
-        "prompts": len(problems), "positions": tokens,
+        "prompts": len(acc_all), "positions": tokens,
         "cost_model_ms": [c * 1e3 for c in coef], "cost_model_mean_rel_error": err,
         "best_static": {"shape": sh(best), "seconds": static[best], "tok_per_s": tokens / static[best]},
         "top_static": [{"shape": sh(s), "tok_per_s": tokens / static[s]} for s in top],
@@ -298,7 +316,6 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all, problems):
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -59,3 +59,19 @@ def test_static_schedule_and_oracle_against_brute_force():
         best = min(best, t)
     assert oracle_mod.oracle(acc, times, [a, b]) == pytest.approx(best)
     assert best <= min(oracle_mod.simulate(lambda i, s=s: s, acc, times) for s in (a, b))
+
+
+def test_policy_replay_of_a_static_config_walks_like_its_shape():
+    shape = TreeShape(4, 4, 8)  # configs/eagle3.yaml
+    acc = [{shape: a} for a in (0, 3, 1, 0, 4, 2, 0, 0, 1)]
+    times = {shape: 2.0}
+    expected = oracle_mod.simulate(lambda i: shape, acc, times)
+    assert expected == 2.0 * 4  # steps at positions 0, 1, 5, 8 (accepting 0, 3, 2, 1)
+    got = oracle_mod.simulate_policy(str(Path(__file__).parents[1] / "configs" / "eagle3.yaml"), [acc], [[0.5] * 9], times)
+    assert got == pytest.approx(expected)
+
+
+def test_policy_replay_refuses_policies_with_their_own_level_rules():
+    pytest.importorskip("adaptivespec_talon")
+    with pytest.raises(SystemExit, match="own level rules"):
+        oracle_mod.simulate_policy(str(Path(__file__).parents[1] / "configs" / "talon.yaml"), [], [], {})

@@ -43,6 +43,14 @@ def measure(head: Path, prompts: list[list[int]], max_new_tokens: int, shape: tu
             "tokens_per_second": round(new / (time.perf_counter() - t0), 1)}
 
 
+def _machine() -> str:
+    from adaptivespec.evaluation.bench import machine_info
+
+    m = machine_info(["cuda"] if torch.cuda.is_available() else [])
+    gpus = ", ".join(m.get("gpus", {}).values())
+    return f"{m['cpu']}, {m['usable_cpus']} usable CPUs" + (f", {gpus}" if gpus else ", no GPU")
+
+
 def _rows(run: Path) -> list[dict]:
     path = run / "training" / "log.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
@@ -88,7 +96,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
             f"- steps {last.get('step', '?')}, training tokens {last.get('tokens', 0):,} "
             f"(epoch {last.get('epoch', '?')}, batch {last.get('index', '?')}), "
             f"{last.get('seconds', 0) / 3600:.2f} h of training steps; log from {first_time} to {last_time}",
-            f"- machine: 2 shared vCPUs (Sapphire Rapids, AMX), no GPU; {platform.python_version()}, torch {torch.__version__}",
+            f"- machine writing this card: {_machine()}; Python {platform.python_version()}, torch {torch.__version__}",
             f"- budget `{settings.get('budget')}`, command settings in `training/run.json` of the run"
             + "".join(f"; resumed at step {r['step']} (budget `{r.get('budget')}`)"
                       for r in rows if r["kind"] == "start" and r.get("resume")), "",

@@ -20,7 +20,7 @@ def token_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
 
 def top_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` most frequent ids (ties by smaller id), sorted ascending (as ``set_vocab`` wants)."""
-    order = torch.argsort(-counts * counts.numel() + torch.arange(counts.numel()), stable=True)
+    order = torch.argsort(-counts, stable=True)  # stable: equal counts keep id order
     return torch.sort(order[:n]).values
 
 
