@@ -56,6 +56,48 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
+def _shown(path: str) -> str:
+    """A path as the card shows it: relative to the repository or the data root, never a machine's absolute path."""
+    from adaptivespec.training.data import DATA_ROOT
+
+    p = Path(path)
+    for base, label in ((Path(__file__).resolve().parents[2], ""), (DATA_ROOT, "shared/data/")):
+        try:
+            return label + str(p.resolve().relative_to(base.resolve()))
+        except ValueError:
+            pass
+    return p.name
+
+
+def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
+    """The card's data paragraph: the sources or the broad mix with its proportions and realised counts."""
+    split = (f"Records split {100 * (1 - settings['val_frac']):.1f} / {100 * settings['val_frac']:.1f} % "
+             f"(seed {settings['seed']}) into training and held-out validation; "
+             f"{vocab['train_response_tokens']:,} training response tokens.")
+    if settings.get("mix") is None:
+        return [f"Self-distillation: `{_shown(settings['distilled']) if settings.get('distilled') else 'generated'}` — "
+                "the target's own greedy answers (chat template, one user message) to GSM8K *train*, CodeAlpaca and "
+                "MBPP non-test prompts; no evaluation set. " + split]
+    from adaptivespec.training.data import read_records
+    from adaptivespec.training.mix import kind_of, parse_mix
+
+    src = Path(settings["distilled"]) if settings.get("distilled") else run / "training" / "distill.jsonl"
+    counts: dict[str, list[int]] = {}
+    if src.is_file():
+        for r in read_records(src):
+            c = counts.setdefault(kind_of(r.id), [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + len(r.response_ids)
+    rows = ["Self-distillation on the broad training mix (`train-drafter --mix "
+            f"{settings['mix']}`, {settings.get('max_prompts') or 20000} prompts drawn, prompt seed "
+            f"{settings.get('prompt_seed')}): the target's own greedy answers to training-split prompts of every kind "
+            "users send (`adaptivespec/training/mix.py` lists the sources); no evaluation set. " + split, "",
+            "| kind | share asked | records | response tokens |", "|---|---:|---:|---:|"]
+    for kind, share in parse_mix(settings["mix"]).items():
+        n, t = counts.get(kind, [0, 0])
+        rows.append(f"| {kind} | {share:.2f} | {n:,} | {t:,} |")
+    return rows
+
+
 def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
     settings = json.loads((run / "training" / "run.json").read_text())
     vocab = json.loads((run / "training" / "vocab.json").read_text())
@@ -69,11 +111,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
            f"{settings['draft_vocab']}) for the embedded SmolLM2-135M-Instruct, in the EAGLE-3 / SpecForge checkpoint "
            "layout (`config.json` + `model.safetensors`, bf16). Trained with `adaptivespec train-drafter`.", "",
            "## Data", "",
-           f"Self-distillation: `{settings.get('distilled') or 'generated'}` — the target's own greedy answers "
-           "(chat template, one user message) to GSM8K *train*, CodeAlpaca and MBPP non-test prompts; no evaluation set. "
-           f"Records split {100 * (1 - settings['val_frac']):.1f} / {100 * settings['val_frac']:.1f} % "
-           f"(seed {settings['seed']}) into training and held-out validation; "
-           f"{vocab['train_response_tokens']:,} training response tokens.", "",
+           *data_section(run, settings, vocab), "",
            "## Draft vocabulary", "",
            "The N most frequent response tokens of the training split. Coverage = fraction of response tokens "
            "inside the vocabulary (training split / held-out validation split); lm_head size in bf16.", "",

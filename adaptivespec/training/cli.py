@@ -28,7 +28,7 @@ from adaptivespec.training.data import DATA_ROOT
 
 DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
-KEPT_ON_RESUME = ("target", "data", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
+KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
                   "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
@@ -50,7 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--distilled", type=Path, help="pre-generated {id, prompt_ids, response_ids} jsonl (skips generation)")
     a("--max-prompts", type=int, help="use only the first N prompts / records")
     a("--prompt-seed", type=int, default=20261129, help="shuffle seed of the pooled prompts")
-    a("--gen-batch", type=int, default=16, help="prompts per generation batch")
+    a("--mix", nargs="?", const="default", metavar="KIND=W,...",
+      help="draw prompts from the broad training mix instead of --data: kinds math, code, instruct, qa, rag, "
+           "summarize, translate, chat2 with these proportions (no value: the default mix); --max-prompts sets "
+           "the total (default 20000)")
+    a("--gen-batch", type=int, default=16, help="most prompts per generation batch")
+    a("--gen-tokens", type=int, default=16384, help="generation batch budget: rows * (prompt + --max-new-tokens)")
+    a("--generate-only", action="store_true", help="stop after self-distillation (the data), before training")
     a("--max-new-tokens", type=int, default=384, help="response cap when generating")
     a("--draft-vocab", type=int, default=4096, help="draft vocabulary size N (most frequent response tokens)")
     a("--steps", type=int, help="optimiser steps")
@@ -91,7 +97,7 @@ def parse_budget(text: str | None) -> tuple[float | None, int | None]:
 
 
 def check_args(args) -> None:
-    positive = ["max_prompts", "gen_batch", "max_new_tokens", "draft_vocab", "steps", "batch_tokens", "max_len",
+    positive = ["max_prompts", "gen_batch", "gen_tokens", "max_new_tokens", "draft_vocab", "steps", "batch_tokens", "max_len",
                 "ttt_steps", "warmup", "val_max_tokens", "threads"]
     for name in positive:
         v = getattr(args, name)
@@ -113,7 +119,11 @@ def check_args(args) -> None:
     if not args.resume and ckpt.is_file():
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
-    if args.distilled is None:
+    if args.mix is not None:
+        from adaptivespec.training.mix import parse_mix
+
+        parse_mix(args.mix)
+    elif args.distilled is None:
         from adaptivespec.training.data import source_path
 
         for spec in args.data:
@@ -143,11 +153,17 @@ def load_records(args, target, tok):
     if args.distilled is not None:
         records = read_records(args.distilled)
         return records[: args.max_prompts] if args.max_prompts else records
-    prompts = load_prompts(args.data, args.data_root, args.prompt_seed, args.max_prompts)
+    if args.mix is not None:
+        from adaptivespec.training.mix import build_mix, mix_counts, parse_mix
+
+        prompts = build_mix(args.max_prompts or 20000, parse_mix(args.mix), args.data_root, args.prompt_seed)
+        print(f"train-drafter: mix {mix_counts(prompts)}", file=sys.stderr, flush=True)
+    else:
+        prompts = load_prompts(args.data, args.data_root, args.prompt_seed, args.max_prompts)
     path = args.out / "training" / "distill.jsonl"
     records = distill(target, tok, prompts, path, batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
-                      progress=not args.quiet)
-    wanted = {p.id for p in prompts}
+                      progress=not args.quiet, gen_tokens=args.gen_tokens)
+    wanted = {p.id for p in prompts} | {f"{p.id}-t1" for p in prompts if p.follow_up is not None}
     return [r for r in records if r.id in wanted]
 
 
@@ -197,6 +213,10 @@ def run(args) -> int:
     t0 = time.time()
     target, tok = load_target(args.target, args.target_dtype)
     records = load_records(args, target, tok)
+    if args.generate_only:
+        print(f"train-drafter: --generate-only: {len(records)} records in {args.out / 'training' / 'distill.jsonl'}",
+              file=sys.stderr, flush=True)
+        return 0
     if len(records) < 2:
         raise AdaptiveSpecError(f"--data: {len(records)} usable records; expected at least 2")
     train, val = split(records, args.val_frac, args.seed)

@@ -53,6 +53,8 @@ EVAL_DIRS = ("humaneval", "specbench", "spec_bench", "mtbench", "mt_bench", "mat
 class Prompt:
     id: str
     text: str
+    follow_up: str | None = None
+    """A second user turn (two-turn chats): it is asked after the model's own answer to ``text``."""
 
 
 @attrs.frozen
@@ -137,37 +139,128 @@ def split(records: list[Record], val_frac: float, seed: int) -> tuple[list[Recor
 
 
 # -- self-distillation -----------------------------------------------------------------------
+def encode_chat(tok, turns: list[str], answers: list[str]) -> list[int]:
+    """Chat-template ids of alternating user ``turns`` and assistant ``answers`` (one fewer), ready to answer."""
+    from adaptivespec.models import encode_prompt
+
+    if not answers:
+        return encode_prompt(tok, turns[0])
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids["input_ids"] if hasattr(ids, "get") else ids)
+
+
+def plan_generation(lengths: list[int], max_new_tokens: int, batch_size: int, gen_tokens: int) -> list[list[int]]:
+    """Indices grouped into generation batches: sorted by prompt length, so a long prompt never pads
+    a batch of short ones, and sized so that ``rows * (longest prompt + max_new_tokens) <= gen_tokens``
+    (at most ``batch_size`` rows; a prompt longer than the budget runs alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups, cur = [], []
+    for i in order:
+        width = lengths[i] + max_new_tokens  # sorted: the newest row is the longest
+        if cur and (len(cur) >= batch_size or (len(cur) + 1) * width > gen_tokens):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    return groups + ([cur] if cur else [])
+
+
 @torch.inference_mode()
 def distill(model, tok, prompts: list[Prompt], out: Path, *, batch_size: int = 16, max_new_tokens: int = 384,
-            chunk: int = 640, progress: bool = True) -> list[Record]:
+            chunk: int = 640, progress: bool = True, gen_tokens: int = 16384) -> list[Record]:
     """Greedy answers of ``model`` to ``prompts``, appended to ``out``; ids already there are skipped.
 
-    Prompts are sorted by length within chunks of ``chunk`` and decoded in left-padded batches
-    (pad = eos). A response is cut after its first eos (kept) or at ``max_new_tokens``.
+    Prompts are taken ``chunk`` at a time in their given order (so an interrupted run holds a fair
+    sample of every kind), grouped by length within the chunk (:func:`plan_generation`) and decoded
+    in left-padded batches by :func:`generate_greedy`, which drops a row as soon as it finishes.
+    A response is cut after its first eos (kept) or at ``max_new_tokens``.
+
+    Two-turn prompts (``follow_up`` set) run in two passes: the first turn is answered as record
+    ``<id>-t1``, then the follow-up is asked after that answer as record ``<id>``.
     """
     from tqdm import tqdm
 
     from adaptivespec.models import encode_prompt
 
-    done = {r.id for r in read_records(out)} if out.is_file() else set()
-    todo = [p for p in prompts if p.id not in done]
+    done = {r.id: r for r in read_records(out)} if out.is_file() else {}
+    first = [p for p in prompts if p.follow_up is None and p.id not in done]
+    first += [Prompt(f"{p.id}-t1", p.text) for p in prompts if p.follow_up is not None and f"{p.id}-t1" not in done]
+    second = [p for p in prompts if p.follow_up is not None and p.id not in done]
     eos = tok.eos_token_id
-    bar = tqdm(total=len(todo), desc="distill", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(first) + len(second), desc="distill", unit="prompt", disable=not progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        for c in range(0, len(todo), chunk):
-            part = sorted(((encode_prompt(tok, p.text), p) for p in todo[c : c + chunk]), key=lambda x: len(x[0]))
-            for b in range(0, len(part), batch_size):
-                rows = part[b : b + batch_size]
-                for ids, resp, p in zip(*_generate(model, [r[0] for r in rows], eos, max_new_tokens), [r[1] for r in rows]):
-                    f.write(json.dumps({"id": p.id, "prompt_ids": ids, "response_ids": resp}, separators=(",", ":")) + "\n")
-                f.flush()
-                bar.update(len(rows))
+        def run(items: list[tuple[str, list[int]]]) -> None:
+            for c in range(0, len(items), chunk):
+                part = items[c : c + chunk]
+                for group in plan_generation([len(x[1]) for x in part], max_new_tokens, batch_size, gen_tokens):
+                    rows = [part[i] for i in group]
+                    for (pid, ids), resp in zip(rows, generate_greedy(model, [r[1] for r in rows], eos, max_new_tokens)):
+                        done[pid] = Record(pid, ids, resp)
+                        f.write(json.dumps({"id": pid, "prompt_ids": ids, "response_ids": resp}, separators=(",", ":")) + "\n")
+                    f.flush()
+                    bar.update(len(rows))
+
+        run([(p.id, encode_prompt(tok, p.text)) for p in first])
+        turns = []
+        for p in second:
+            answer = tok.decode([t for t in done[f"{p.id}-t1"].response_ids if t != eos], skip_special_tokens=True)
+            turns.append((p.id, encode_chat(tok, [p.text, p.follow_up], [answer.strip()])))
+        run(turns)
     bar.close()
     return read_records(out)
 
 
+@torch.inference_mode()
+def generate_greedy(model, prompts: list[list[int]], eos: int, max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers to a batch of prompts (left-padded), each cut after its first ``eos`` (kept).
+
+    Unlike ``model.generate`` the batch shrinks as rows finish: a finished row's KV cache rows are
+    dropped, so a batch costs what its unfinished rows cost, not what its longest answer costs.
+    """
+    from transformers import DynamicCache
+
+    n, width = len(prompts), max(map(len, prompts))
+    ids = torch.full((n, width), eos, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # one row per prompt, not per token
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    rows = torch.arange(n)  # original index of each live row
+    out = torch.full((n, max_new_tokens), eos, dtype=torch.long)
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long)
+    next_pos = position[:, -1] + 1
+    for t in range(max_new_tokens):
+        tok_t = logits.argmax(-1)  # [live]
+        out[rows, t] = tok_t
+        finished = tok_t == eos
+        if finished.any():
+            lengths[rows[finished]] = t + 1
+            live = (~finished).nonzero().squeeze(1)
+            if live.numel() == 0:
+                break
+            rows, tok_t, mask, next_pos = rows[live], tok_t[live], mask[live], next_pos[live]
+            for layer in cache.layers:  # keep only the unfinished rows' cache
+                layer.keys, layer.values = layer.keys[live], layer.values[live]
+        if t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=torch.long)], dim=1)
+        logits = model(input_ids=tok_t.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+                       cache=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    return [out[i, : int(lengths[i])].tolist() for i in range(n)]
+
+
 def _generate(model, prompts: list[list[int]], eos: int, max_new_tokens: int) -> tuple[list, list]:
+    """The former generation path (``model.generate`` on a padded batch); kept to measure against."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), eos, dtype=torch.long)
     mask = torch.zeros_like(ids)

@@ -1,0 +1,150 @@
+"""The broad training mix (``train-drafter --mix``) and the row-dropping batched generation."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import pytest
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.training.data import DATA_ROOT, Prompt, plan_generation
+from adaptivespec.training.mix import DEFAULT_MIX, KINDS, build_mix, kind_of, mix_counts, parse_mix
+
+needs_data = pytest.mark.skipif(not (DATA_ROOT / "train" / "alpaca_prompts.jsonl").is_file(), reason="no shared/data/train")
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def _ngrams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    """Word 13-grams (GPT-3's contamination unit) with at least 8 alphabetic words."""
+    w = _words(text)
+    grams = (tuple(w[i : i + n]) for i in range(len(w) - n + 1))
+    return {g for g in grams if sum(x.isalpha() for x in g) >= 8}
+
+
+def _eval_texts() -> list[str]:
+    """Every prompt of every evaluation set in the data root."""
+    out = []
+    for rel, keys in [("gsm8k/test.jsonl", ["question"]), ("math500/test.jsonl", ["problem"]),
+                      ("specbench/question.jsonl", ["turns"]), ("mtbench/question.jsonl", ["turns"])]:
+        for line in (DATA_ROOT / rel).read_text().splitlines():
+            row = json.loads(line)
+            for k in keys:
+                out += row[k] if isinstance(row[k], list) else [row[k]]
+    with gzip.open(DATA_ROOT / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+        out += [json.loads(line)["prompt"] for line in f if line.strip()]
+    return out
+
+
+@needs_data
+def test_mix_never_emits_an_evaluation_prompt():
+    """No prompt equals an evaluation prompt; no prose prompt shares a word 13-gram with one.
+
+    Math and code prompts come from official train splits (GSM8K train, CodeAlpaca, MBPP non-test)
+    that share boilerplate with test splits (GSM8K templates such as "At the same rate, how many
+    additional hours would it take to travel an additional ... miles?", loop headers such as
+    ``for (int i = 0; i < 3; i++)``): the split is the guarantee there, and they are checked for
+    equality only. Passages (rag, summarize, qa, instruct, translate, chat2) must not overlap at all.
+    """
+    evals = _eval_texts()
+    exact = {" ".join(_words(t)) for t in evals}
+    owner: dict[tuple, int] = {}
+    for i, t in enumerate(evals):
+        for g in _ngrams(t):
+            owner.setdefault(g, i)
+    prompts = build_mix(10**6)  # every prompt of every kind
+    assert len(prompts) > 20000
+    for p in prompts:
+        assert " ".join(_words(p.text)) not in exact, p.id
+        if kind_of(p.id) in ("math", "code"):
+            continue
+        shared = [g for g in _ngrams(p.text) if g in owner]
+        assert not shared, (p.id, evals[owner[shared[0]]][:200])
+
+
+@needs_data
+def test_mix_proportions_kinds_and_determinism():
+    a = build_mix(2000)
+    assert [p.id for p in a] == [p.id for p in build_mix(2000)]
+    assert len({p.id for p in a}) == len(a)
+    counts = mix_counts(a)
+    assert set(counts) == set(DEFAULT_MIX)
+    for kind, share in DEFAULT_MIX.items():
+        assert counts[kind] == round(share * 2000), (kind, counts)
+    assert all(kind_of(p.id) in KINDS for p in a)
+    chats = [p for p in a if kind_of(p.id) == "chat2"]
+    assert chats and all(p.follow_up for p in chats) and not any(p.follow_up for p in a if kind_of(p.id) != "chat2")
+    only = build_mix(300, parse_mix("summarize=1,translate=1"))
+    assert mix_counts(only) == {"summarize": 150, "translate": 150}
+    summaries = [p for p in only if kind_of(p.id) == "summarize"]
+    assert max(len(p.text) for p in summaries) > 2000  # long passages, not one-liners
+
+
+@pytest.mark.parametrize("text", ["math=x", "poetry=1", "math=-1", "math=0,code=0"])
+def test_bad_mix_is_refused_naming_the_flag(text):
+    with pytest.raises(AdaptiveSpecError, match="--mix"):
+        parse_mix(text)
+
+
+def test_generation_batches_are_length_sorted_and_within_budget():
+    lengths = [5, 900, 30, 31, 2000, 40, 8, 8, 400]
+    groups = plan_generation(lengths, max_new_tokens=100, batch_size=3, gen_tokens=1200)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)  # a long prompt never pads a batch of short ones
+    for g in groups:
+        assert len(g) <= 3
+        assert len(g) == 1 or len(g) * (max(lengths[i] for i in g) + 100) <= 1200
+
+
+@pytest.mark.model
+def test_batched_generation_equals_one_prompt_greedy(smol32, greedy_reference):
+    """Rows of different lengths that finish at different steps: each equals its own greedy decode."""
+    from adaptivespec.training.data import generate_greedy
+
+    model, tok = smol32
+    texts = ["What is 2+2?", "Write a haiku about the sea.", "Name three colors.", "Translate German to English: Ein Hund."]
+    refs = [greedy_reference(t, 24) for t in texts]
+    got = generate_greedy(model, [r[0] for r in refs], tok.eos_token_id, 24)
+    for (ids, ref), g in zip(refs, got):
+        eos = tok.eos_token_id
+        assert g == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+@pytest.mark.model
+def test_two_turn_prompts_follow_the_models_own_answer(tmp_path, smol32):
+    from adaptivespec.training.data import distill
+
+    model, tok = smol32
+    prompts = [Prompt("chat2-x-1", "Name a fruit.", follow_up="Now name a vegetable."), Prompt("instruct-x-2", "Say hi.")]
+    recs = {r.id: r for r in distill(model, tok, prompts, tmp_path / "d.jsonl", max_new_tokens=12, progress=False)}
+    assert set(recs) == {"chat2-x-1-t1", "chat2-x-1", "instruct-x-2"}
+    first = tok.decode(recs["chat2-x-1-t1"].response_ids, skip_special_tokens=True).strip()
+    second_prompt = tok.decode(recs["chat2-x-1"].prompt_ids)
+    assert "Name a fruit." in second_prompt and first in second_prompt and second_prompt.rstrip().endswith("assistant")
+    # resumable: nothing left to do, nothing appended
+    n = len((tmp_path / "d.jsonl").read_text().splitlines())
+    distill(model, tok, prompts, tmp_path / "d.jsonl", max_new_tokens=12, progress=False)
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == n
+
+
+def test_model_card_records_the_mix_and_relative_paths(tmp_path):
+    from adaptivespec.training.card import data_section
+
+    (tmp_path / "training").mkdir()
+    recs = [{"id": "rag-t0-quoref-1", "prompt_ids": [1], "response_ids": [5, 6, 2]},
+            {"id": "summarize-scitldr-0-2", "prompt_ids": [1], "response_ids": [7, 2]},
+            {"id": "rag-pubmedqa-9", "prompt_ids": [1], "response_ids": [2]}]
+    (tmp_path / "training" / "distill.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    settings = {"mix": "rag=3,summarize=1", "max_prompts": 4, "prompt_seed": 7, "val_frac": 0.25, "seed": 0}
+    text = "\n".join(data_section(tmp_path, settings, {"train_response_tokens": 6}))
+    assert "| rag | 0.75 | 2 | 4 |" in text and "| summarize | 0.25 | 1 | 2 |" in text
+    assert "--mix rag=3,summarize=1" in text
+    legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
+                                               "seed": 0}, {"train_response_tokens": 6}))
+    assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy
