@@ -279,7 +279,7 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
         name = sections["runtime"].name if kind == "runtime" else sections["model"].drafter_kind
         if name not in registry:
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
-            raise ConfigError(where, key, f"unknown {kind} {name!r}; registered {kind}s: {', '.join(registry.names())}")
+            raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
     return Config(**sections, **strategies, source=where)
 
 
