@@ -150,3 +150,17 @@ def test_cli_selection_reaches_the_run(tmp_path, monkeypatch):
     code = main(["bench", "--configs", AR, "--dataset", "specbench", "--per-category", "2", "--limit", "3",
                  "--out", str(tmp_path / "o2")])
     assert code == 0 and len(seen["ids"]) == 3
+
+
+def test_sweep_reports_per_category_with_its_swept_values():
+    spec, probs, recs = _spec_and_records()
+    entries = (spec.entries[1], Entry(name="lossy[k=0.5]", config=spec.entries[2].config, sweep={"verifier.kappa": 0.5}))
+    sweep = BenchSpec(entries=entries, dataset="specbench", max_new_tokens=64, reference="eagle3", command="sweep",
+                      columns=("verifier.kappa",), extra={"sweep": {"params": {"verifier.kappa": [0.5]}}})
+    renamed = [dict(r, config="lossy[k=0.5]") if r["config"] == "lossy" else r for r in recs if r["config"] != "ar"]
+    res = summarize(sweep, probs, renamed)
+    qa = {r["name"]: r for r in res["categories"]["qa"]["configs"]}
+    assert qa["lossy[k=0.5]"]["sweep"] == {"verifier.kappa": 0.5} and "sweep" not in qa["eagle3"]
+    assert qa["lossy[k=0.5]"]["speedup_vs_reference"] == pytest.approx(1.5) and qa["lossy[k=0.5]"]["speedup_vs_ar"] is None
+    md = bench.markdown(res, ["verifier.kappa"])
+    assert "Speedup vs `eagle3`" in md and "| `lossy[k=0.5]` | 1.50× (" in md

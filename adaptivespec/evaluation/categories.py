@@ -118,8 +118,9 @@ def markdown(results: dict[str, Any]) -> str:
     if not cats:
         return ""
     names = [r["name"] for r in results["configs"]]
+    key, base = ("speedup_vs_ar", "AR") if results.get("ar") else ("speedup_vs_reference", f"`{results.get('reference')}`")
     lines = ["", "## By category", "",
-             "Speedup vs AR (tokens/s ratio on that category's prompts), accept length τ in brackets; "
+             f"Speedup vs {base} (tokens/s ratio on that category's prompts), accept length τ in brackets; "
              "prompts per category: " + ", ".join(f"{c} {v['prompts']}" for c, v in cats.items()) + ".", "",
              "| config | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
     for name in names:
@@ -130,7 +131,7 @@ def markdown(results: dict[str, Any]) -> str:
                 cells.append("–")
                 continue
             tau = "" if r["accept_length_mean"] is None else f" ({r['accept_length_mean']:.2f})"
-            cells.append(_fmt(r["speedup_vs_ar"], ".2f", "×") + tau + ("" if r["complete"] else "*"))
+            cells.append(_fmt(r[key], ".2f", "×") + tau + ("" if r["complete"] else "*"))
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     if any(r["prompts"] and not r["complete"] for c in cats.values() for r in c["configs"]):
         lines += ["", "\\* incomplete: the contender has not run every prompt of that category."]
