@@ -144,7 +144,8 @@ def add_plugins_parser(sub) -> None:
 def run_plugins(args) -> int:
     from adaptivespec.plugins import get_plugin_host
 
-    entries = [e.to_dict() for e in get_plugin_host().entries()]
+    host = get_plugin_host()
+    entries = [e.to_dict() for e in host.entries()] + [f.to_dict() for f in host.failed]
     if args.json:
         print(json.dumps(entries, indent=2))
         return 0

@@ -279,13 +279,37 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
         name = sections["runtime"].name if kind == "runtime" else sections["model"].drafter_kind
         if name not in registry:
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
-            raise ConfigError(where, key, f"unknown {kind} {name!r}; registered {kind}s: {', '.join(registry.names())}")
+            raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
     return Config(**sections, **strategies, source=where)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), host=None) -> Config:
     """Read ``path`` (None: defaults only), apply ``--set`` overrides, validate."""
     data = read_yaml(path) if path is not None else {}
+    where = str(path) if path is not None else "<defaults>"
+    for index in _shadowed(overrides):  # a value a later override replaces is still checked
+        shadow = read_yaml(path) if path is not None else {}
+        for n, text in enumerate(overrides):
+            if n <= index or not _replaces(overrides[index], text):
+                apply_override(shadow, text)
+        build_config(shadow, f"{where} (--set {overrides[index].strip()}, overridden later)", host)
     for text in overrides:
         apply_override(data, text)
-    return build_config(data, str(path) if path is not None else "<defaults>", host)
+    return build_config(data, where, host)
+
+
+def _key(text: str) -> list[str]:
+    return [k.strip() for k in text.partition("=")[0].strip().split(".")]
+
+
+def _replaces(earlier: str, later: str) -> bool:
+    """Whether override ``later`` replaces the whole value ``earlier`` set (same key or a parent)."""
+    a, b = _key(earlier), _key(later)
+    return a[: len(b)] == b
+
+
+def _shadowed(overrides: list[str]) -> list[int]:
+    """Indices of the overrides whose value a later override replaces."""
+    for text in overrides:
+        parse_override(text)  # malformed KEY=VALUE fails first, whatever comes later
+    return [i for i, text in enumerate(overrides) if any(_replaces(text, later) for later in overrides[i + 1:])]

@@ -184,6 +184,10 @@ class Eagle3Drafter(nn.Module):
             eagle_config={"eagle_aux_hidden_state_layer_ids": self.aux_layers, "use_aux_hidden_state": True},
             torch_dtype=str(self.lm_head.weight.dtype).removeprefix("torch."),
         )
+        # what SGLang's EAGLE-3 draft model also reads (tests/test_sglang_api.py checks the shipped head):
+        # the dtype, and rope_theta at the top level as well, for readers without rope_parameters
+        cfg["dtype"] = cfg["torch_dtype"]
+        cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items() if not k.startswith("rotary.")}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -25,10 +25,14 @@ class ConfigError(AdaptiveSpecError, ValueError):
 class UnknownStrategyError(AdaptiveSpecError, KeyError):
     """A policy, verifier, drafter or runtime name that no plugin registered."""
 
-    def __init__(self, kind: str, name: object, known: list[str]) -> None:
-        self.kind, self.name, self.known = kind, name, known
+    def __init__(self, kind: str, name: object, known: list[str], failed: list = ()) -> None:
+        self.kind, self.name, self.known, self.failed = kind, name, known, list(failed)
         plural = {"policy": "policies"}.get(kind, kind + "s")
-        super().__init__(f"unknown {kind} {name!r}; registered {plural}: {', '.join(known) or '(none)'}")
+        message = f"unknown {kind} {name!r}; registered {plural}: {', '.join(known) or '(none)'}"
+        if self.failed:  # the name may belong to a plugin that could not load
+            message += "; plugins that failed to load: " + "; ".join(
+                f"{f.name!r} from distribution {f.distribution!r} ({f.error})" for f in self.failed)
+        super().__init__(message)
 
     def __str__(self) -> str:  # KeyError would add quotes around the message
         return self.args[0]

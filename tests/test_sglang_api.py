@@ -19,12 +19,15 @@ import pytest
 
 from adaptivespec.sglang import plugin
 from adaptivespec.sglang.api import (
+    DRAFT_MODEL_API,
     REQUIRED_API,
     SGLANG_VERSION,
     Api,
     SGLangAPIError,
     assert_api,
     check_api,
+    check_head_config,
+    draft_config_reads,
     download_command,
     extract_sources,
 )
@@ -56,7 +59,7 @@ def sglang_sources() -> Path:
                 pytest.skip(f"package index unreachable, cannot download sglang=={SGLANG_VERSION}: "
                             f"{output.strip().splitlines()[-1]}")
             pytest.fail(f"pip download of sglang=={SGLANG_VERSION} failed:\n{output}")
-    return extract_sources(wheels[-1], cache / "src")
+    return extract_sources(wheels[-1], cache / "src", (*REQUIRED_API, *DRAFT_MODEL_API))
 
 
 def test_pinned_release_has_every_required_api(sglang_sources):
@@ -152,3 +155,34 @@ def test_pyproject_declares_the_plugin_and_the_pin():
         assert line in text
     assert f'sglang = ["sglang=={SGLANG_VERSION}"]' in text
     assert '"adaptivespec.sglang"' in text
+
+
+def test_shipped_head_config_has_every_key_sglangs_eagle3_draft_model_reads(sglang_sources, tmp_path):
+    import json
+
+    from adaptivespec.drafter import EMBEDDED_HEAD, Eagle3Drafter
+    from adaptivespec.models import embedded_folder
+
+    reads = draft_config_reads(sglang_sources)
+    # the reads the static scan must find (a scan finding nothing would pass any config)
+    assert {"hidden_size", "rms_norm_eps", "target_hidden_size", "draft_vocab_size", "num_key_value_heads"} <= reads["required"]
+    assert {"rope_parameters", "rope_theta", "eagle_config"} <= reads["optional"] and "rope_theta" in reads["rope"]
+    target = json.loads((embedded_folder() / "config.json").read_text())
+    shipped = json.loads((EMBEDDED_HEAD / "config.json").read_text())
+    assert check_head_config(shipped, sglang_sources, target) == []
+    # save_pretrained writes the same keys (a random head for the embedded target's geometry)
+    from transformers import LlamaConfig
+
+    cfg = Eagle3Drafter.make_config(LlamaConfig(**{k: v for k, v in target.items() if k != "architectures"}), 64)
+    import torch
+
+    head = Eagle3Drafter(cfg, torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), [1, 2, 3], cfg.hidden_size)
+    head.save_pretrained(tmp_path / "head")
+    written = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert check_head_config(written, sglang_sources, target) == []
+    # and the check names what is missing or wrong
+    broken = {k: v for k, v in shipped.items() if k not in ("rope_theta", "target_hidden_size")}
+    broken["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "default"}
+    problems = "\n".join(check_head_config(broken, sglang_sources, target))
+    assert "missing 'target_hidden_size'" in problems and "missing 'rope_theta'" in problems
+    assert "rope_parameters.rope_theta 10000.0 differs from the target's 100000.0" in problems

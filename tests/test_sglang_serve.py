@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang import CONFIG_ENV, serve
 from adaptivespec.sglang.api import SGLANG_VERSION
 
+ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFTER = "meta-llama/Llama-3.1-8B-Instruct", "/models/eagle3-llama3.1-8b"
 
 
@@ -46,15 +48,31 @@ def test_bank_shapes_and_start_shape(config):
     assert [str(s) for s in shapes] == ["(5,4,8)"] and str(top) == "(5,4,8)"
 
 
-def test_models_default_to_the_config_and_embedded_ones_are_refused(tmp_path, config):
+def test_models_default_to_the_config(tmp_path, config):
     path = tmp_path / "models.yaml"
     path.write_text(f"model: {{target: {TARGET}, drafter: {DRAFTER}}}\npolicy: {{name: static}}\n")
     argv = serve.build_command(path)
     assert flag(argv, "--model-path") == TARGET and flag(argv, "--speculative-draft-model-path") == DRAFTER
+    ar = tmp_path / "ar.yaml"
+    ar.write_text("model: {drafter: null}\n")
     with pytest.raises(AdaptiveSpecError, match="--drafter: SGLang needs an EAGLE-3 checkpoint"):
-        serve.build_command(config, TARGET)  # the default config's drafter is 'embedded'
-    with pytest.raises(AdaptiveSpecError, match="--target: SGLang cannot load the embedded"):
-        serve.build_command(config, drafter=DRAFTER)
+        serve.build_command(ar, TARGET)
+
+
+def test_embedded_pair_serves_the_converted_folder_and_the_head_folder(capsys, monkeypatch):
+    from adaptivespec.drafter import EMBEDDED_HEAD
+    from adaptivespec.models import EMBEDDED, cache_dir
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    cli = pytest.importorskip("adaptivespec.cli")
+    code = cli.main(["serve", "--config", str(ROOT / "configs" / "adaptivespec.yaml"), "--print-command"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    argv = shlex.split(out.strip())
+    assert flag(argv, "--model-path") == str(cache_dir() / EMBEDDED)
+    assert (cache_dir() / EMBEDDED / "config.json").is_file()  # converted if it was not already
+    assert flag(argv, "--speculative-draft-model-path") == str(EMBEDDED_HEAD)
+    assert (EMBEDDED_HEAD / "model.safetensors").is_file()
 
 
 def test_env_points_the_plugin_at_the_config(config):

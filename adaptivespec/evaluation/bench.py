@@ -23,6 +23,11 @@ the reference. ``answer_agreement`` = share of the prompts run by both where the
 answer equals the reference's (two missing answers count as equal), the measure of what a lossy
 verifier changes that does not depend on the target being good at the task; ``identical_outputs``
 = share whose whole text equals the reference's.
+
+Datasets with categories (Spec-Bench, MT-Bench, MATH-500) also get ``categories`` in
+``results.json``: the same aggregates on each category's prompts (speedups against the baselines'
+tokens/s on that category), a ``## By category`` section in ``results.md`` and
+``category_speedup.png`` (see :mod:`adaptivespec.evaluation.categories`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import attrs
 
 from adaptivespec.config import Config
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation import categories
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.graders import grade
 
@@ -366,8 +372,9 @@ def agreement(records: list[dict[str, Any]], reference: list[dict[str, Any]]) ->
             "identical_outputs": same / n if n else None}
 
 
-def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``results.json`` document of a run from its records."""
+def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, Any]], by_category: bool = True) -> dict[str, Any]:
+    """The ``results.json`` document of a run from its records (with ``categories``, the same
+    aggregates per prompt category, when the dataset has categories and ``by_category``)."""
     from adaptivespec.evaluation.peers import describe_peer
 
     by_name: dict[str, list[dict[str, Any]]] = {n: [] for n in spec.names}
@@ -405,6 +412,8 @@ def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, 
         "eagle3": eagle3,
         **spec.extra,
         "configs": rows,
+        **({"categories": categories.by_category(spec, problems, records)}
+           if by_category and categories.categories(problems) else {}),
     }
 
 
@@ -501,7 +510,7 @@ def markdown(results: dict[str, Any], extra_columns: list[str] = ()) -> str:
                  "–" if r["answer_agreement"] is None else f"{100 * r['answer_agreement']:.1f}% ({r['answers_equal']}/{r['answers_compared']})",
                  _fmt(None if r["identical_outputs"] is None else 100 * r["identical_outputs"], ".0f", "%")]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + categories.markdown(results)
 
 
 def write_outputs(results: dict[str, Any], out: Path, extra_columns: tuple[str, ...] = ()) -> None:
@@ -514,3 +523,5 @@ def write_outputs(results: dict[str, Any], out: Path, extra_columns: tuple[str, 
     plots.accept_lengths(results, out / ACCEPT_PLOT)
     if "sweep" in results:
         plots.pareto(results, out / PARETO_PLOT)
+    if results.get("categories"):
+        plots.category_speedups(results, out / categories.CATEGORY_PLOT)

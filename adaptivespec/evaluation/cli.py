@@ -28,6 +28,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, metavar="NAME", help=f"evaluation set: {', '.join(DATASETS)}")
     p.add_argument("--data", metavar="FILE.jsonl", help="read the dataset from this JSON-lines file (same fields)")
     p.add_argument("--limit", type=_positive_int, metavar="N", help="the first N problems only")
+    p.add_argument("--categories", metavar="A,B", help="only these categories (specbench: mt_bench, translation, "
+                   "summarization, qa, math_reasoning, rag; mtbench: its eight; math500: subjects)")
+    p.add_argument("--per-category", type=_positive_int, metavar="N",
+                   help="the first N problems of each category (balanced small runs)")
     defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_MAX_NEW_TOKENS.items())
     p.add_argument("--max-new-tokens", type=_positive_int, metavar="M", help=f"generation limit per prompt (default per dataset: {defaults})")
     p.add_argument("--out", metavar="DIR", help="run folder (resumable; default runs/<command>-...)")
@@ -65,14 +69,30 @@ def _problems(args):
 
     if args.dataset not in DATASETS:
         raise AdaptiveSpecError(f"--dataset: unknown dataset {args.dataset!r}; expected one of: {', '.join(DATASETS)}")
+    from adaptivespec.evaluation.categories import parse_categories, select
+
+    wanted = parse_categories(getattr(args, "categories", None))
+    per_category = getattr(args, "per_category", None)
+    chosen = wanted is not None or per_category is not None
     try:
-        problems = load_dataset(args.dataset, args.data, args.limit)
+        problems = load_dataset(args.dataset, args.data, None if chosen else args.limit)
     except DatasetError as exc:
         raise DatasetError(f"--data: {exc}" if args.data else str(exc)) from None
+    if chosen:  # categories first, then --limit of what they leave
+        problems = select(problems, wanted, per_category, args.dataset)[: args.limit]
     if not problems:
         raise AdaptiveSpecError(f"--dataset {args.dataset}: no problems in {args.data or 'the packaged file'}")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(args.dataset, 1024)
     return problems, max_new, [*args.overrides, f"generation.max_new_tokens={max_new}"]
+
+
+def _selection(args) -> dict:
+    """``{"selection": ...}`` for ``results.json`` when --categories / --per-category chose the prompts."""
+    if args.categories is None and args.per_category is None:
+        return {}
+    from adaptivespec.evaluation.categories import parse_categories
+
+    return {"selection": {"categories": parse_categories(args.categories), "per_category": args.per_category}}
 
 
 def _finish(results, out: Path, columns=()) -> int:
@@ -80,6 +100,7 @@ def _finish(results, out: Path, columns=()) -> int:
 
     print(markdown(results, list(columns)))
     plots = "speedup_retention.png, accept_lengths.png" + (", pareto.png" if "sweep" in results else "")
+    plots += ", category_speedup.png" if results.get("categories") else ""
     print(f"wrote {out}/results.json, results.md, {plots}", file=sys.stderr)
     return 0
 
@@ -91,7 +112,7 @@ def run_bench_command(args) -> int:
     problems, max_new, overrides = _problems(args)
     entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
     spec = BenchSpec(entries=entries, peers=parse_peers(args.peers), dataset=args.dataset, data=args.data,
-                     limit=args.limit, max_new_tokens=max_new)
+                     limit=args.limit, max_new_tokens=max_new, extra=_selection(args))
     out = Path(args.out or f"runs/bench-{args.dataset}")
     results = run_bench(spec, problems, out, progress=not args.no_progress)
     return _finish(results, out)
@@ -109,7 +130,7 @@ def run_sweep_command(args) -> int:
     spec = BenchSpec(entries=(ref, *points), dataset=args.dataset, data=args.data, limit=args.limit,
                      max_new_tokens=max_new, reference=ref.name, command="sweep", columns=tuple(params),
                      extra={"sweep": {"config": args.config, "params": params, "reference": ref.name,
-                                      "skipped": [s["point"] for s in skipped]}})
+                                      "skipped": [s["point"] for s in skipped]}, **_selection(args)})
     keys = "-".join(k.split(".")[-1] for k in params)
     out = Path(args.out or f"runs/sweep-{Path(args.config).stem}-{keys}-{args.dataset}")
     results = run_bench(spec, problems, out, progress=not args.no_progress)

@@ -8,7 +8,8 @@
   exact fractions, so the comparison with the gold number is exact.
 * ``math500`` -- :func:`extract_math_answer` takes the last ``\\boxed{}``/``\\fbox{}`` (nested
   braces allowed), else the text after the last "answer is"; equivalence is decided by
-  :func:`adaptivespec.evaluation.equivalence.equivalent`.
+  Hugging Face's math-verify through :func:`adaptivespec.evaluation.math_answers.equivalent`
+  (under a time limit).
 * ``humaneval`` -- pass@1: :func:`humaneval_program` builds prompt/completion + test +
   ``check(entry_point)``, run by :func:`adaptivespec.evaluation.sandbox.run_python` in a separate
   process with a time limit.
@@ -27,8 +28,7 @@ import attrs
 
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.datasets import Problem
-from adaptivespec.evaluation.equivalence import equivalent
-from adaptivespec.evaluation.latex import last_boxed
+from adaptivespec.evaluation.math_answers import equivalent, last_boxed
 from adaptivespec.evaluation.sandbox import run_python
 
 _NUMBER = re.compile(

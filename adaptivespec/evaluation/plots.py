@@ -3,7 +3,8 @@
 * :func:`speedup_retention`: speedup against accuracy retention, one point per contender;
 * :func:`accept_lengths`: distribution of drafted tokens accepted per step, per speculative config;
 * :func:`pareto`: a sweep's throughput against retention, the Pareto frontier highlighted and each
-  point labelled with its parameter value(s).
+  point labelled with its parameter value(s);
+* :func:`category_speedups`: speedup per prompt category (datasets with categories).
 """
 
 from __future__ import annotations
@@ -153,6 +154,38 @@ def pareto(results: dict[str, Any], path: str | Path) -> None:
     ax.set_title(f"sweep of {keys} — {_title(results)}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def category_speedups(results: dict[str, Any], path: str | Path) -> None:
+    """Speedup (vs AR, else vs the first config) per prompt category: grouped bars, one group per
+    category, one bar per contender; a contender missing from a category has no bar there."""
+    plt = _pyplot()
+    cats = results["categories"]
+    base = results.get("ar") or results["configs"][0]["name"]
+    names = [r["name"] for r in results["configs"] if r["name"] != base]
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.3 * len(cats) + 3), 5))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for j, c in enumerate(cats.values()):
+            rows = {r["name"]: r for r in c["configs"]}
+            r, b = rows.get(name), rows.get(base)
+            if r and b and r["tokens_per_second"] and b["tokens_per_second"]:
+                xs.append(j - 0.4 + (i + 0.5) * width)
+                ys.append(r["tokens_per_second"] / b["tokens_per_second"])
+        row = next(r for r in results["configs"] if r["name"] == name)
+        hatch = "//" if row["kind"] == "peer" else ("" if row["lossless"] else "..")
+        ax.bar(xs, ys, width, label=name, hatch=hatch)
+    ax.set_xticks(list(range(len(cats))), [f"{c}\n({v['prompts']})" for c, v in cats.items()], fontsize=8)
+    ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+    ax.set_ylabel(f"speedup vs {base} (tokens/s ratio)")
+    ax.set_xlabel("category (prompts)")
+    ax.set_title(f"by category — {_title(results)}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

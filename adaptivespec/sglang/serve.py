@@ -6,6 +6,10 @@ and points the SGLang plugin at the config through ``ADAPTIVESPEC_CONFIG``::
 
     adaptivespec serve --config configs/dcs-margin.yaml --target meta-llama/Llama-3.1-8B-Instruct \\
         --drafter yuhuili/EAGLE3-LLaMA3.1-Instruct-8B [--print-command] [-- --mem-fraction-static 0.8]
+
+With the embedded pair (``model.target: smollm2-135m-instruct``, ``model.drafter: embedded``) no
+flag is needed: SGLang gets the converted safetensors folder in the adaptivespec cache and the
+shipped head folder.
 """
 
 from __future__ import annotations
@@ -36,18 +40,23 @@ def bank_shapes(config_path: str | Path) -> tuple[tuple[TreeShape, ...], TreeSha
 
 
 def _model_paths(config_path: str | Path, target: str | None, drafter: str | None) -> tuple[str, str]:
-    from adaptivespec.config import ModelConfig, load_config
+    """Paths SGLang loads: the embedded target is its converted safetensors folder (converted
+    first if needed, as ``generate`` does), ``embedded`` the shipped head's folder."""
+    from adaptivespec.config import load_config
+    from adaptivespec.drafter import resolve_drafter_path
+    from adaptivespec.models import EMBEDDED, embedded_folder
 
     model = load_config(config_path).model
-    embedded = ModelConfig().target  # the embedded GGUF, an adaptivespec-only alias
     target = target or model.target
     drafter = drafter or model.drafter
-    if target == embedded:
-        raise AdaptiveSpecError(f"--target: SGLang cannot load the embedded {embedded!r} GGUF; pass a model folder or Hugging Face id")
-    if drafter in (None, "embedded"):
+    if target == EMBEDDED:  # the GGUF is an adaptivespec-only alias; SGLang reads the converted folder
+        target = str(embedded_folder())
+    if drafter is None:
         raise AdaptiveSpecError(
             f"--drafter: SGLang needs an EAGLE-3 checkpoint folder or Hugging Face id (the config says {drafter!r})"
         )
+    if drafter == "embedded":
+        drafter = str(resolve_drafter_path(drafter))
     return target, drafter
 
 

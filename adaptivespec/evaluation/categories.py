@@ -1,0 +1,149 @@
+"""Results by prompt category: speed depends on the kind of prompt, and users pick a method per workload.
+
+Categories (:func:`category_of`):
+
+* ``specbench``: Spec-Bench's six -- ``translation``, ``summarization``, ``qa``,
+  ``math_reasoning``, ``rag`` and ``mt_bench`` (its 80 MT-Bench questions, whatever their
+  MT-Bench category);
+* ``mtbench``: MT-Bench's own eight (``writing``, ``roleplay``, ``reasoning``, ``math``,
+  ``coding``, ``extraction``, ``stem``, ``humanities``);
+* ``math500``: the MATH subject;
+* other sets have none (no per-category table).
+
+:func:`select` implements ``--categories a,b`` and ``--per-category N`` (the first N of each
+category in file order, for balanced small runs). :func:`by_category` is the per-category part
+of ``results.json``: for each category the same aggregates as the overall table, computed by
+:func:`adaptivespec.evaluation.bench.summarize` on that category's prompts, so ``speedup_vs_ar``
+and ``speedup_vs_eagle3`` divide by the baseline's tokens/s *on the same category*.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.datasets import Problem
+
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+"""Spec-Bench's six categories, in its own order."""
+
+CATEGORY_FIELDS = ("name", "kind", "lossless", "autoregressive", "prompts", "complete", "new_tokens", "wall_seconds",
+                   "tokens_per_second", "speedup_vs_ar", "speedup_vs_eagle3", "speedup_vs_reference",
+                   "accept_length_mean", "accuracy", "correct", "graded", "retention", "answer_agreement")
+"""Per-contender fields kept in each category's table (``sweep`` rows keep their swept values too)."""
+
+CATEGORY_PLOT = "category_speedup.png"
+
+
+def category_of(problem: Problem) -> str | None:
+    """The category a problem is reported under (``None``: the dataset has no categories)."""
+    if problem.task == "specbench":
+        return problem.category if problem.category in SPEC_BENCH_CATEGORIES else "mt_bench"
+    if problem.task in ("mtbench", "math500"):
+        return problem.category
+    return None
+
+
+def categories(problems: list[Problem]) -> list[str]:
+    """Categories of ``problems`` in order of first appearance (Spec-Bench's in its own order)."""
+    seen = list(dict.fromkeys(c for c in map(category_of, problems) if c is not None))
+    if all(c in SPEC_BENCH_CATEGORIES for c in seen):
+        seen.sort(key=SPEC_BENCH_CATEGORIES.index)
+    return seen
+
+
+def parse_categories(text: str | None) -> list[str] | None:
+    """``"qa, rag"`` -> ``["qa", "rag"]``; ``None`` stays ``None``."""
+    if text is None:
+        return None
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise AdaptiveSpecError(f"--categories: expected a comma-separated list of categories, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def select(problems: list[Problem], wanted: list[str] | None = None, per_category: int | None = None,
+           dataset: str = "") -> list[Problem]:
+    """The problems of the ``wanted`` categories (all when ``None``), at most ``per_category`` of
+    each (the first ones in file order), kept in file order."""
+    if wanted is None and per_category is None:
+        return list(problems)
+    known = categories(problems)
+    option = "--categories" if wanted is not None else "--per-category"
+    if not known:
+        name = dataset or (problems[0].task if problems else "?")
+        raise AdaptiveSpecError(f"{option}: dataset {name!r} has no categories; "
+                                "categories exist for specbench, mtbench and math500")
+    unknown = [c for c in wanted or () if c not in known]
+    if unknown:
+        raise AdaptiveSpecError(f"--categories: unknown category {unknown[0]!r} for {dataset or 'this dataset'}; "
+                                f"expected some of: {', '.join(known)}")
+    keep = set(wanted or known)
+    taken: dict[str, int] = {}
+    out = []
+    for p in problems:
+        c = category_of(p)
+        if c not in keep or (per_category is not None and taken.get(c, 0) >= per_category):
+            continue
+        taken[c] = taken.get(c, 0) + 1
+        out.append(p)
+    return out
+
+
+def by_category(spec, problems: list[Problem], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{category: {"prompts": n, "configs": [row per contender]}}`` (empty without categories).
+
+    A contender that ran none of a category's prompts has ``prompts`` 0 and no speeds there."""
+    from adaptivespec.evaluation.bench import summarize
+
+    out: dict[str, Any] = {}
+    for cat in categories(problems):
+        subset = [p for p in problems if category_of(p) == cat]
+        doc = summarize(spec, subset, records, by_category=False)
+        rows = [{k: r.get(k) for k in CATEGORY_FIELDS} | ({"sweep": r["sweep"]} if "sweep" in r else {})
+                for r in doc["configs"]]
+        out[cat] = {"prompts": len(subset), "reference": doc["reference"], "ar": doc["ar"], "eagle3": doc["eagle3"],
+                    "configs": rows}
+    return out
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The per-category section of ``results.md``: a speedup-vs-AR overview (contenders x
+    categories, τ in brackets), then one table per category (empty string without categories)."""
+    cats: dict[str, Any] = results.get("categories") or {}
+    if not cats:
+        return ""
+    names = [r["name"] for r in results["configs"]]
+    key, base = ("speedup_vs_ar", "AR") if results.get("ar") else ("speedup_vs_reference", f"`{results.get('reference')}`")
+    lines = ["", "## By category", "",
+             f"Speedup vs {base} (tokens/s ratio on that category's prompts), accept length τ in brackets; "
+             "prompts per category: " + ", ".join(f"{c} {v['prompts']}" for c, v in cats.items()) + ".", "",
+             "| config | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+    for name in names:
+        cells = []
+        for c in cats.values():
+            r = next((x for x in c["configs"] if x["name"] == name), None)
+            if r is None or not r["prompts"]:
+                cells.append("–")
+                continue
+            tau = "" if r["accept_length_mean"] is None else f" ({r['accept_length_mean']:.2f})"
+            cells.append(_fmt(r[key], ".2f", "×") + tau + ("" if r["complete"] else "*"))
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    if any(r["prompts"] and not r["complete"] for c in cats.values() for r in c["configs"]):
+        lines += ["", "\\* incomplete: the contender has not run every prompt of that category."]
+    graded = any(r["graded"] for c in cats.values() for r in c["configs"])
+    head = ["category", "config", "prompts", "tok/s", "speedup vs AR", "speedup vs EAGLE-3", "accept length τ",
+            *(["accuracy"] if graded else [])]
+    lines += ["", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for cat, c in cats.items():
+        for r in c["configs"]:
+            acc = ("–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}% ({r['correct']}/{r['graded']})")
+            cells = [cat, f"`{r['name']}`", f"{r['prompts']}/{c['prompts']}", _fmt(r["tokens_per_second"], ".2f"),
+                     _fmt(r["speedup_vs_ar"], ".2f", "×"), _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
+                     _fmt(r["accept_length_mean"], ".2f"), *([acc] if graded else [])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
