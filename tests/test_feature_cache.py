@@ -155,3 +155,21 @@ def test_training_on_the_cache_matches_training_without_it(tmp_path, smol32, gre
                                        "policy.topk=2", "policy.ndt=6", "verifier.name=strict"]))
     ids, ref = greedy_reference(PROMPTS[4], 24)
     assert engine.generate_ids(ids, max_new_tokens=24).token_ids == ref
+
+
+def test_model_card_says_when_the_head_was_trained_from_a_cache(tmp_path):
+    from adaptivespec.training.card import card
+
+    (tmp_path / "training").mkdir()
+    settings = {"draft_vocab": 512, "val_frac": 0.025, "seed": 0, "ttt_steps": 2, "decay": 0.8, "lr": 1e-3, "warmup": 20,
+                "min_lr_ratio": 0.1, "clip": 0.5, "batch_tokens": 4096, "budget": "10m", "distilled": None}
+    (tmp_path / "training" / "vocab.json").write_text(json.dumps({"draft_vocab": 512, "train_response_tokens": 1000, "coverage": [
+        {"n": 512, "coverage": 0.9, "val_coverage": 0.8, "lm_head_mb": 0.6}]}))
+    (tmp_path / "training" / "log.jsonl").write_text(json.dumps(
+        {"time": "t1", "kind": "val", "step": 5, "tokens": 100, "seconds": 60, "epoch": 0, "index": 5, "val_acc": [0.1, 0.05]}) + "\n")
+    texts = []
+    for extra in ({}, {"label_topk": 64, "feature_cache": "/c"}):
+        (tmp_path / "training" / "run.json").write_text(json.dumps({**settings, **extra}))
+        texts.append(card(tmp_path, {}, 2, 96, "cmd"))
+    assert "recomputed each batch" in texts[0] and "feature cache" not in texts[0] and "top 64" not in texts[0]
+    assert "top 64 entries, renormalised" in texts[1] and "read from a feature cache" in texts[1]
