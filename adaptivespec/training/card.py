@@ -127,8 +127,12 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
             "times in training, while the lm_head's training and drafting cost grows linearly with N.", "",
             "## Training", "",
             f"EAGLE-3 recipe: training-time-test unroll K = {k} with loss weights {settings['decay']}^j, soft "
-            "cross-entropy against the target's distribution restricted to the draft vocabulary, target hidden "
-            "states recomputed each batch (no-grad bf16 forward), head trained in fp32 under bf16 autocast; "
+            "cross-entropy against the target's distribution restricted to the draft vocabulary"
+            + (f" (its top {settings['label_topk']} entries, renormalised)" if settings.get("label_topk") else "")
+            + (", target hidden states and labels computed once per record (no-grad bf16 forward) and read from a "
+               "feature cache" if settings.get("feature_cache") else
+               ", target hidden states recomputed each batch (no-grad bf16 forward)")
+            + ", head trained in fp32 under bf16 autocast; "
             f"AdamW (peak lr {settings['lr']}, warmup {settings['warmup']} steps, cosine to "
             f"{settings['min_lr_ratio']}x), gradient clip {settings['clip']}, {settings['batch_tokens']} tokens per batch.", "",
             f"- steps {last.get('step', '?')}, training tokens {last.get('tokens', 0):,} "

@@ -9,6 +9,10 @@ Output folder ``--out``::
     training/checkpoint.pt           fp32 head + optimiser + data position
     training/log.jsonl               training and validation rows
 
+``--feature-cache DIR`` stores the target's features (fused hidden states, top-k soft labels) of
+every record once (built if missing, resumable; ``--build-cache-only`` stops there), and each
+epoch then runs the head only (see ``adaptivespec.training.features``).
+
 Run as ``python -m adaptivespec.training.cli --out DIR ...`` or through the adaptivespec CLI.
 """
 
@@ -29,7 +33,7 @@ from adaptivespec.training.data import DATA_ROOT
 DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
 KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
-                  "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed")
+                  "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
 
@@ -80,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the target forward")
     a("--no-bf16", dest="bf16", action="store_false", help="train the head without bf16 autocast")
     a("--quiet", action="store_true", help="no progress bars")
+    a("--feature-cache", type=Path, help="folder of cached target features (built if missing, resumable); training then skips the target forward")
+    a("--build-cache-only", action="store_true", help="build --feature-cache and stop (no training)")
+    a("--label-topk", type=int, help="soft labels: the target's k most likely draft tokens, renormalised "
+      "(default: the full distribution; with --feature-cache the cache's k, default 64)")
 
 
 def parse_budget(text: str | None) -> tuple[float | None, int | None]:
@@ -97,8 +105,8 @@ def parse_budget(text: str | None) -> tuple[float | None, int | None]:
 
 
 def check_args(args) -> None:
-    positive = ["max_prompts", "gen_batch", "gen_tokens", "max_new_tokens", "draft_vocab", "steps", "batch_tokens", "max_len",
-                "ttt_steps", "warmup", "val_max_tokens", "threads"]
+    positive = ["max_prompts", "gen_batch", "gen_tokens", "max_new_tokens", "draft_vocab", "steps", "batch_tokens",
+                "max_len", "ttt_steps", "warmup", "val_max_tokens", "threads", "label_topk"]
     for name in positive:
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -119,6 +127,10 @@ def check_args(args) -> None:
     if not args.resume and ckpt.is_file():
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
+    if args.build_cache_only and args.feature_cache is None:
+        raise AdaptiveSpecError("--build-cache-only: no --feature-cache given; expected --feature-cache DIR to build")
+    if args.feature_cache is not None and args.feature_cache.exists() and not args.feature_cache.is_dir():
+        raise AdaptiveSpecError(f"--feature-cache: {str(args.feature_cache)!r} is a file; expected a folder")
     if args.mix is not None:
         from adaptivespec.training.mix import parse_mix
 
@@ -131,7 +143,7 @@ def check_args(args) -> None:
 
 
 def _settings(args) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func", "build_cache_only")}
 
 
 def _merge_resume(args) -> None:
@@ -196,6 +208,30 @@ def vocabulary(args, train, val, vocab_size: int, hidden: int) -> torch.Tensor:
     return ids
 
 
+def feature_cache(args, target, tok, records, vocab_ids):
+    """Open ``--feature-cache`` (building or finishing it first); refuses a cache of other data."""
+    from adaptivespec.drafter import default_aux_layers
+    from adaptivespec.training import features
+
+    tc = target.config
+    key = features.cache_key(target=args.target, target_dtype=args.target_dtype, aux_layers=default_aux_layers(tc.num_hidden_layers),
+                             target_hidden=tc.hidden_size, vocab_ids=vocab_ids, records=records, topk=args.label_topk,
+                             max_len=args.max_len)
+    state = features.status(args.feature_cache, key)
+    if state != "complete":
+        t0 = time.time()
+        print(f"train-drafter: {'finishing' if state == 'partial' else 'building'} the feature cache {args.feature_cache} "
+              f"({len(records)} records, k={key['label_topk']})", file=sys.stderr, flush=True)
+        features.build(args.feature_cache, key, target, records, vocab_ids, batch_tokens=args.batch_tokens,
+                       pad=tok.eos_token_id, progress=not args.quiet)
+        print(f"train-drafter: feature cache built in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    cache = features.FeatureCache(args.feature_cache, key)
+    tokens = len(cache.states) if cache.states is not None else 0
+    print(f"train-drafter: feature cache {args.feature_cache}: {tokens} tokens, {cache.disk_bytes() / 1e9:.2f} GB "
+          f"({cache.disk_bytes() / max(tokens, 1):.0f} bytes per token)", file=sys.stderr, flush=True)
+    return cache
+
+
 def run(args) -> int:
     from adaptivespec.models import load_target
     from adaptivespec.training.data import split
@@ -204,8 +240,12 @@ def run(args) -> int:
     check_args(args)
     if args.resume:
         _merge_resume(args)
+    if args.feature_cache is not None and args.label_topk is None:
+        from adaptivespec.training.features import DEFAULT_TOPK
+
+        args.label_topk = DEFAULT_TOPK
     (args.out / "training").mkdir(parents=True, exist_ok=True)
-    if not args.resume:
+    if not args.resume and not args.build_cache_only:
         (args.out / "training" / "run.json").write_text(json.dumps(_settings(args), indent=2) + "\n")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,6 +261,9 @@ def run(args) -> int:
         raise AdaptiveSpecError(f"--data: {len(records)} usable records; expected at least 2")
     train, val = split(records, args.val_frac, args.seed)
     vocab_ids = vocabulary(args, train, val, target.config.vocab_size, target.config.hidden_size)
+    cache = feature_cache(args, target, tok, records, vocab_ids) if args.feature_cache is not None else None
+    if args.build_cache_only:
+        return 0
     drafter = build_drafter(target, vocab_ids, args.seed)
     seconds, tokens = parse_budget(args.budget)
     epochs = args.epochs if (args.epochs or args.steps or args.budget) else 1.0
@@ -228,12 +271,13 @@ def run(args) -> int:
                       warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, batch_tokens=args.batch_tokens,
                       max_len=args.max_len, steps=args.steps, epochs=epochs, budget_seconds=seconds, budget_tokens=tokens,
                       checkpoint_minutes=args.checkpoint_minutes, val_max_tokens=args.val_max_tokens, bf16=args.bf16,
-                      seed=args.seed, progress=not args.quiet)
-    trainer = Trainer(cfg, target, drafter, vocab_ids, train, val, pad=tok.eos_token_id)
+                      seed=args.seed, progress=not args.quiet, label_topk=args.label_topk)
+    trainer = Trainer(cfg, target, drafter, vocab_ids, train, val, pad=tok.eos_token_id, cache=cache)
     if args.resume:
         trainer.restore(args.out / "training" / "checkpoint.pt")
     trainer.log({"kind": "start", "resume": args.resume, "step": trainer.state.step, "budget": args.budget,
-                 "steps": args.steps, "epochs": epochs, "threads": torch.get_num_threads()})
+                 "steps": args.steps, "epochs": epochs, "threads": torch.get_num_threads(),
+                 "feature_cache": str(args.feature_cache) if cache else None, "label_topk": args.label_topk})
     print(f"train-drafter: {len(train)} train / {len(val)} validation records, "
           f"{sum(r.length for r in train)} train tokens, {len(trainer.groups)} batches per epoch, "
           f"draft vocabulary {args.draft_vocab}, K={args.ttt_steps}; starting at step {trainer.state.step}",

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import torch
 
-from adaptivespec.training.data import Record, collate, iterate, plan_batches
+from adaptivespec.training.data import Record, collate, epoch_order, plan_batches
 from adaptivespec.training.ttt import target_features, ttt_loss
 
 
@@ -52,6 +52,7 @@ class TrainConfig:
     bf16: bool = True
     seed: int = 0
     progress: bool = True
+    label_topk: int | None = None  # sparse top-k soft labels (the feature cache's own k when it is used)
 
 
 @attrs.define
@@ -66,8 +67,10 @@ class State:
 class Trainer:
     """Owns the head, optimiser and data order of one run (see module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, target, drafter, vocab_ids: torch.Tensor, train: list[Record], val: list[Record], pad: int) -> None:
+    def __init__(self, cfg: TrainConfig, target, drafter, vocab_ids: torch.Tensor, train: list[Record], val: list[Record], pad: int,
+                 cache=None) -> None:
         self.cfg, self.target, self.drafter = cfg, target, drafter
+        self.cache = cache  # a features.FeatureCache: the target is not run
         self.vocab_ids, self.train_set, self.val_set, self.pad = vocab_ids, train, val, pad
         self.groups = plan_batches(train, cfg.batch_tokens, cfg.max_len)
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -102,9 +105,16 @@ class Trainer:
     def _autocast(self):
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def train_step(self, batch) -> dict[str, Any]:
+    def features(self, records: list[Record], batch):
+        """The target's features of ``batch`` (collated from ``records``): from the cache or a target forward."""
         d, c = self.drafter, self.cfg
-        feats = target_features(self.target, d.aux_layers, batch, self.vocab_ids, d.t2d, c.k_steps)
+        if self.cache is not None:
+            return self.cache.features(records, batch, d.t2d, c.k_steps)
+        return target_features(self.target, d.aux_layers, batch, self.vocab_ids, d.t2d, c.k_steps, c.label_topk)
+
+    def train_step(self, batch, records: list[Record]) -> dict[str, Any]:
+        d, c = self.drafter, self.cfg
+        feats = self.features(records, batch)
         with self._autocast():
             stats = ttt_loss(d, batch, feats, c.k_steps, c.decay)
         lr = self.lr()
@@ -131,8 +141,9 @@ class Trainer:
         loss, correct, count = [0.0] * k, [0] * k, [0] * k
         d.eval()
         for group in plan_batches(recs, c.batch_tokens, c.max_len):
-            batch = collate([recs[i] for i in group], c.max_len, self.pad)
-            feats = target_features(self.target, d.aux_layers, batch, self.vocab_ids, d.t2d, k)
+            part = [recs[i] for i in group]
+            batch = collate(part, c.max_len, self.pad)
+            feats = self.features(part, batch)
             with self._autocast():
                 st = ttt_loss(d, batch, feats, k, c.decay)
             for j in range(k):
@@ -150,15 +161,15 @@ class Trainer:
 
         c, s = self.cfg, self.state
         self._install_signals()
-        it = iterate(self.train_set, self.groups, (s.epoch, s.index), c.seed, c.max_len, self.pad)
+        it = self.batches((s.epoch, s.index))
         last_ckpt = time.monotonic()
         bar = tqdm(desc="train", unit="tok", unit_scale=True, initial=s.tokens, disable=not c.progress,
                    total=c.budget_tokens, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         self.drafter.train()
         while self.progress() < 1.0 and not self._stop:
-            epoch, index, batch = next(it)
+            epoch, index, records, batch = next(it)
             t0 = time.perf_counter()
-            info = self.train_step(batch)
+            info = self.train_step(batch, records)
             dt = time.perf_counter() - t0
             s.step, s.tokens, s.seconds = s.step + 1, s.tokens + batch.tokens, s.seconds + dt
             s.epoch, s.index = (epoch, index + 1) if index + 1 < len(self.groups) else (epoch + 1, 0)
@@ -173,6 +184,16 @@ class Trainer:
         bar.close()
         self.checkpoint()
         return s
+
+    def batches(self, start: tuple[int, int]):
+        """Endless ``(epoch, index, records, batch)`` from data position ``start`` (as ``data.iterate``)."""
+        epoch, index = start
+        while True:
+            order = epoch_order(len(self.groups), epoch, self.cfg.seed)
+            for k in range(index, len(order)):
+                records = [self.train_set[i] for i in self.groups[order[k]]]
+                yield epoch, k, records, collate(records, self.cfg.max_len, self.pad)
+            epoch, index = epoch + 1, 0
 
     def _where(self) -> dict[str, Any]:
         s = self.state

@@ -20,6 +20,11 @@ Loss (soft cross-entropy against the target, as SpecForge)::
 token is in ``D``. Top-1 agreement ``acc_j = mean [argmax q_j == argmax p]`` over ``M_j``.
 The target's hidden states are recomputed each batch (no grad, the target's dtype); only the
 draft-vocabulary rows of its lm_head are evaluated.
+
+Top-k soft labels (``topk`` / ``--label-topk``, always with ``--feature-cache``): ``p`` is
+replaced by its ``k`` largest entries renormalised to sum to 1, and the loss is computed without
+a dense ``[rows, Vd]`` label tensor (``topk_cross_entropy``). Top-1 agreement is then "the
+target's top-1 token has the drafter's largest logit" (the same as argmax equality up to ties).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from adaptivespec.training.data import Batch
 @attrs.frozen
 class Features:
     states: torch.Tensor  # [B, T, 3 * H_t] concatenated aux hidden states (target dtype)
-    probs: torch.Tensor  # [M, Vd] float32 target distributions at the rows with a loss
+    probs: torch.Tensor  # [M, Vd] float32 target distributions at the rows with a loss ([M, k] with ``index``)
     row: torch.Tensor  # [B, T + K + 2] int64: row of ``probs`` for predicted index q, -1 = no loss
+    index: torch.Tensor | None = None  # [M, k] int64 draft ids of ``probs`` (top-k labels, largest first)
 
 
 @attrs.frozen
@@ -47,22 +53,74 @@ class StepStats:
 
 
 @torch.no_grad()
-def target_features(target, aux_layers: list[int], batch: Batch, vocab_ids: torch.Tensor, t2d: torch.Tensor, k_steps: int) -> Features:
-    """One no-grad target forward: fused-layer inputs and draft-vocabulary target distributions."""
-    ids = batch.ids
-    b, t = ids.shape
-    out = target.model(input_ids=ids, output_hidden_states=True)
+def target_features(target, aux_layers: list[int], batch: Batch, vocab_ids: torch.Tensor, t2d: torch.Tensor, k_steps: int,
+                    topk: int | None = None) -> Features:
+    """One no-grad target forward: fused-layer inputs and draft-vocabulary target distributions.
+
+    ``topk``: keep only each distribution's ``topk`` largest entries, renormalised (sparse labels).
+    """
+    out = target.model(input_ids=batch.ids, output_hidden_states=True)
     hs = out.hidden_states
     states = torch.cat([hs[i + 1] for i in aux_layers], dim=-1)
-    q = torch.arange(t)
-    valid = (q >= batch.prompt_lens[:, None]) & (q < batch.lengths[:, None]) & (q >= 1) & t2d[ids]
-    bi, qi = valid.nonzero(as_tuple=True)
+    bi, qi, row = label_rows(loss_mask(batch, t2d), k_steps)
     w = target.get_output_embeddings().weight[vocab_ids]  # [Vd, H_t]
     logits = out.last_hidden_state[bi, qi - 1] @ w.T  # z[q-1] restricted to D
+    if topk is not None:
+        logp, index = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
+        return Features(states, torch.softmax(logp, dim=-1), row, index)
     probs = torch.softmax(logits.float(), dim=-1)
+    return Features(states, probs, row)
+
+
+def label_rows(valid: torch.Tensor, k_steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bi, qi, row) for a [B, T] mask of predicted indices with a loss (see ``Features.row``)."""
+    b, t = valid.shape
+    bi, qi = valid.nonzero(as_tuple=True)
     row = torch.full((b, t + k_steps + 2), -1, dtype=torch.long)
     row[bi, qi] = torch.arange(bi.shape[0])
-    return Features(states, probs, row)
+    return bi, qi, row
+
+
+def loss_mask(batch: Batch, t2d: torch.Tensor) -> torch.Tensor:
+    """[B, T] predicted indices q with a loss: response tokens (q >= 1) inside the draft vocabulary."""
+    ids = batch.ids
+    q = torch.arange(ids.shape[1])
+    return (q >= batch.prompt_lens[:, None]) & (q < batch.lengths[:, None]) & (q >= 1) & t2d[ids]
+
+
+class _TopkCE(torch.autograd.Function):
+    """Row losses ``lse(z) * sum(p) - sum_k p_k z[idx_k]`` and whether ``z[idx_0]`` is the row max."""
+
+    @staticmethod
+    def forward(ctx, logits, p, index):
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        m = z.amax(-1, keepdim=True)
+        e = (z - m).exp_()
+        se = e.sum(-1, keepdim=True)
+        lse = (m + se.log()).squeeze(-1)
+        picked = z.gather(-1, index)
+        loss = lse * p.sum(-1) - (p * picked).sum(-1)
+        correct = picked[:, 0] >= m.squeeze(-1)
+        ctx.save_for_backward(e, se, p, index)
+        ctx.in_dtype = logits.dtype
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        e, se, p, index = ctx.saved_tensors
+        g = e * ((grad * p.sum(-1))[:, None] / se)  # softmax(z) * sum(p) * grad
+        g.scatter_add_(-1, index, -(grad[:, None] * p).to(g.dtype))
+        return g.to(ctx.in_dtype), None, None
+
+
+def topk_cross_entropy(logits: torch.Tensor, p: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Soft cross-entropy of ``logits`` [n, V] against sparse labels ``p`` [n, k] at ``index`` [n, k].
+
+    Returns (row losses [n] float32, top-1 agreement [n] bool). Equals the dense
+    ``-(P * log_softmax(logits)).sum(-1)`` with ``P`` scattered from (p, index), without ``P``.
+    """
+    return _TopkCE.apply(logits, p, index)
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -83,11 +141,15 @@ def _diag_attend(q, k0, v0, dk: list, dv: list, bias: torch.Tensor) -> torch.Ten
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
 
-def _step_loss(drafter, state: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor):
+def _step_loss(drafter, state: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, index: torch.Tensor | None = None):
     sel = rows >= 0
     n = int(sel.sum())
     if n == 0:
         return state.sum() * 0.0, 0, 0
+    if index is not None:
+        r = rows[sel]
+        losses, correct = topk_cross_entropy(drafter.lm_head(drafter.norm(state[sel])), probs[r], index[r])
+        return losses.mean(), int(correct.sum()), n
     logp = torch.log_softmax(drafter.lm_head(drafter.norm(state[sel])).float(), dim=-1)
     p = probs[rows[sel]]
     loss = -(p * logp).sum(-1).mean()
@@ -140,7 +202,7 @@ def ttt_loss(drafter, batch: Batch, feats: Features, k_steps: int, decay: float 
     s = max(0, int(batch.prompt_lens.min()) - 2)  # no chain before s has a loss at any step
     total, losses, corrects, counts = 0.0, [], [], []
     for j, off, state in unroll(drafter, batch.ids, g, k_steps, s):
-        loss, correct, count = _step_loss(drafter, state, feats.row[:, off + j + 2 : t + j + 2], feats.probs)
+        loss, correct, count = _step_loss(drafter, state, feats.row[:, off + j + 2 : t + j + 2], feats.probs, feats.index)
         total = total + decay**j * loss
         losses.append(float(loss.detach()))
         corrects.append(correct)
