@@ -115,7 +115,7 @@ def load_bench_config(path: str, overrides: list[str]) -> Config:
     if not any(is_drafter):
         return load_config(path, overrides)
     plain = load_config(path, [o for o, d in zip(overrides, is_drafter) if not d])
-    return plain if plain.autoregressive else load_config(path, overrides)
+    return plain if plain.model.drafter is None else load_config(path, overrides)
 
 
 def _jsonable(value: Any) -> Any:
