@@ -160,6 +160,14 @@ class NGramIndex:
                 break
             # the last entry may be the suffix itself (no continuation yet): skip j == end
             pos = [j for j in hit[-(limit + 1) :] if j < end][-limit:]
+            if self.separator is not None:  # an n-gram that ended a document has no continuation
+                pos = []
+                for j in reversed(hit):
+                    if j < end and self.tokens[j] != self.separator:
+                        pos.append(j)
+                        if len(pos) == limit:
+                            break
+                pos.reverse()
             if not pos:
                 break
             best, best_pos = n, pos
