@@ -77,6 +77,11 @@ class Engine:
     def lossless(self) -> bool:
         return self.config.autoregressive or self.verifier.lossless
 
+    def forget(self) -> None:
+        """Drop what the candidate sources remembered across generations (their output caches)."""
+        for s in self.sources:
+            s.forget()
+
     def encode(self, text: str, raw: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
 
