@@ -184,3 +184,36 @@ def test_sources_config_is_validated_strictly(tmp_path):
 def test_retrieval_is_a_registered_source():
     entry = get_plugin_host().sources.get("retrieval")
     assert entry.cls is RetrievalSource and entry.provider == "adaptivespec"
+
+
+def test_a_third_party_source_registers_through_the_hook_and_configures_from_yaml():
+    import attrs
+
+    import adaptivespec
+    from adaptivespec.config import build_config
+    from adaptivespec.plugins import make_plugin_host
+    from adaptivespec.strategies import CandidateSource
+
+    @attrs.frozen(kw_only=True)
+    class CorpusParams:
+        documents: int = 1
+
+    class Corpus(CandidateSource):
+        """Continuations from a document corpus (test plugin)."""
+
+        name = "corpus"
+        Params = CorpusParams
+
+    class Plugin:
+        @staticmethod
+        @adaptivespec.hookimpl
+        def adaptivespec_register_sources(registry):
+            registry.register(Corpus)
+
+    host = make_plugin_host([Plugin])
+    assert host.registry("source").get("corpus").cls is Corpus
+    assert {("source", "corpus"), ("source", "retrieval")} <= {(e.kind, e.name) for e in host.entries()}
+    config = build_config({"sources": [{"name": "corpus", "documents": 3}, "retrieval"]}, "x.yaml", host)
+    assert [s.name for s in config.sources] == ["corpus", "retrieval"] and config.sources[0].params.documents == 3
+    with pytest.raises(ConfigError, match=r"x.yaml: sources\[0\].documents: expected an integer, got 'many'"):
+        build_config({"sources": [{"name": "corpus", "documents": "many"}]}, "x.yaml", host)
