@@ -124,7 +124,8 @@ class Engine:
                 continue
             # 1. candidates from the sources; shape: the policy reads signals available before drafting
             tries = [s.propose() for s in sources]
-            top1 = rt.draft_top1_prob() if rt.drafter is not None else max((t.scores[0] for t in tries if t), default=0.0)
+            top1 = rt.draft_top1_prob() if rt.drafter is not None else max(
+                (s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
             signals = StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted)
             shape = policy.next_shape(signals)
             # 2. draft a tree of that shape (unless a source's match is long enough); fuse the candidates in
