@@ -225,7 +225,13 @@ def apply_override(data: dict[str, Any], text: str) -> None:
     if keys[0] not in TOP_LEVEL:
         raise ConfigError("--set", text.partition("=")[0], f"unknown key; expected one of: {', '.join(TOP_LEVEL)}")
     node = data
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
+        if isinstance(node.get(k), list) and keys[i + 1].isdigit():  # a list item: sources.0.max_depth=4
+            items, at = node[k], int(keys[i + 1])
+            if at >= len(items) or not isinstance(items[at], dict):
+                raise ConfigError("--set", ".".join(keys), f"{k} has no mapping at index {at} ({len(items)} items)")
+            node = {keys[i + 1]: items[at]}  # the next key (the index) finds the item
+            continue
         child = node.get(k)
         if child is None:
             child = node[k] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from adaptivespec.errors import ConfigError
 from adaptivespec.ngram import NGramIndex, OutputCache, build_trie
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sources.retrieval import RetrievalParams, RetrievalSource
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def streams():
@@ -179,6 +182,13 @@ def test_sources_config_is_validated_strictly(tmp_path):
         with pytest.raises(ConfigError) as exc:
             load_config(None, [override])
         assert message in str(exc.value), (override, str(exc.value))
+
+
+def test_set_reaches_into_the_sources_list():
+    c = load_config(CONFIGS / "hybrid.yaml", ["sources.0.extra_slots=3", "sources.0.skip_draft_match=4"])
+    assert (c.sources[0].params.extra_slots, c.sources[0].params.skip_draft_match) == (3, 4)
+    with pytest.raises(ConfigError, match=r"--set: sources.1.max_depth: sources has no mapping at index 1 \(1 items\)"):
+        load_config(CONFIGS / "hybrid.yaml", ["sources.1.max_depth=3"])
 
 
 def test_retrieval_is_a_registered_source():
