@@ -34,7 +34,7 @@ class ShapeExecutor:
     """Buffers (and, on CUDA, graphs) of one tree shape; reused every step that shape is chosen."""
 
     shape: TreeShape
-    verify_mask: torch.Tensor  # [1, 1, ndt, capacity] additive, all 0 outside the current tree block
+    verify_mask: torch.Tensor  # [1, 1, ndt + extra_rows, capacity] additive, all 0 outside the current tree block
     draft_mask: torch.Tensor  # [1, 1, max_beam, capacity] additive, same convention
     slot_anc: torch.Tensor  # [max_expanded, max_expanded] bool, drafter slot ancestry
     graphs: dict[str, Any] = attrs.field(factory=dict)  # filled by a CUDA-graph capturer
@@ -47,8 +47,9 @@ class ShapeExecutor:
 class ShapeBank:
     """Executors keyed by :class:`TreeShape`, built before decoding."""
 
-    def __init__(self, shapes: Iterable[TreeShape], *, capacity: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, shapes: Iterable[TreeShape], *, capacity: int, dtype: torch.dtype, device: Any, extra_rows: int = 0) -> None:
         self.dtype, self.device = dtype, torch.device(device)
+        self.extra_rows = extra_rows  # verify slots beyond ndt (candidate sources' extra nodes)
         self._executors = {s: self._build(s, capacity) for s in sorted(set(shapes))}
         if not self._executors:
             raise ValueError("a shape bank needs at least one shape")
@@ -58,7 +59,7 @@ class ShapeBank:
         slots = max_expanded(shape)
         return ShapeExecutor(
             shape=shape,
-            verify_mask=torch.zeros(1, 1, shape.ndt, capacity, **z),
+            verify_mask=torch.zeros(1, 1, shape.ndt + self.extra_rows, capacity, **z),
             draft_mask=torch.zeros(1, 1, max_beam(shape), capacity, **z),
             slot_anc=torch.zeros(slots, slots, dtype=torch.bool, device=self.device),
         )

@@ -2,8 +2,10 @@
 
 The top-level keys are a contract: ``model``, ``runtime``, ``policy``, ``verifier``,
 ``generation``. ``policy`` and ``verifier`` hold ``name`` plus that strategy's own parameters,
-validated against the strategy's ``Params`` attrs class. Every error names the file, the key path,
-the value and what was expected::
+validated against the strategy's ``Params`` attrs class. The optional top-level ``sources`` is a
+list of candidate sources (each ``name`` plus that source's parameters, validated the same way;
+default: none), whose proposals are verified beside the drafter's tree, or alone when
+``model.drafter`` is null. Every error names the file, the key path, the value and what was expected::
 
     configs/x.yaml: verifier.kappa: expected a number in (0, 1], got 1.5
 """
@@ -105,10 +107,12 @@ class Config:
     generation: GenerationConfig = attrs.Factory(GenerationConfig)
     source: str = "<defaults>"
     """File the config came from (for messages)."""
+    sources: tuple[StrategyConfig, ...] = ()
+    """Candidate sources (``sources:`` in YAML), in order; empty: the drafter alone."""
 
     @property
     def autoregressive(self) -> bool:
-        return self.model.drafter is None
+        return self.model.drafter is None and not self.sources
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,10 +121,11 @@ class Config:
             "policy": self.policy.to_dict(),
             "verifier": self.verifier.to_dict(),
             "generation": attrs.asdict(self.generation),
+            **({"sources": [s.to_dict() for s in self.sources]} if self.sources else {}),
         }
 
 
-TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation")
+TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation", "sources")
 SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "generation": GenerationConfig}
 DEFAULT_STRATEGY = {"policy": "static", "verifier": "strict"}
 
@@ -220,7 +225,13 @@ def apply_override(data: dict[str, Any], text: str) -> None:
     if keys[0] not in TOP_LEVEL:
         raise ConfigError("--set", text.partition("=")[0], f"unknown key; expected one of: {', '.join(TOP_LEVEL)}")
     node = data
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
+        if isinstance(node.get(k), list) and keys[i + 1].isdigit():  # a list item: sources.0.max_depth=4
+            items, at = node[k], int(keys[i + 1])
+            if at >= len(items) or not isinstance(items[at], dict):
+                raise ConfigError("--set", ".".join(keys), f"{k} has no mapping at index {at} ({len(items)} items)")
+            node = {keys[i + 1]: items[at]}  # the next key (the index) finds the item
+            continue
         child = node.get(k)
         if child is None:
             child = node[k] = {}
@@ -280,7 +291,33 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
         if name not in registry:
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
             raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
-    return Config(**sections, **strategies, source=where)
+    return Config(**sections, **strategies, source=where, sources=build_sources(data.get("sources"), where, host))
+
+
+def build_sources(raw: Any, where: str, host) -> tuple[StrategyConfig, ...]:
+    """The ``sources`` list: each item a source name or a mapping with ``name`` and its parameters."""
+    if raw is None:
+        return ()
+    if isinstance(raw, (str, dict)):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise ConfigError(where, "sources", f"expected a list of candidate sources, got {raw!r}")
+    out: list[StrategyConfig] = []
+    for i, item in enumerate(raw):
+        key = f"sources[{i}]"
+        item = {"name": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(where, key, f"expected a mapping with a source name, got {item!r}")
+        item = dict(item)
+        name = item.pop("name")
+        try:
+            entry = host.sources.get(name)
+        except UnknownStrategyError as exc:
+            raise ConfigError(where, f"{key}.name", str(exc)) from None
+        if any(s.name == name for s in out):
+            raise ConfigError(where, f"{key}.name", f"source {name!r} is listed twice")
+        out.append(StrategyConfig(name=name, params=structure(entry.cls.Params, item, where, key)))
+    return tuple(out)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), host=None) -> Config:

@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from adaptivespec.config import Config
+from adaptivespec.fusion import fuse
 from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.types import StepRecord, StepSignals
 
@@ -43,7 +44,8 @@ class GenerationResult:
     """Generated ids only (the final EOS included when generation stopped there)."""
     text: str
     stats: dict[str, Any]
-    """new_tokens, target_forwards, accept_length_mean, wall_seconds, tokens_per_second, promoted_tokens."""
+    """new_tokens, target_forwards, accept_length_mean, wall_seconds, tokens_per_second, promoted_tokens;
+    accepted_by_source (speculative configs: accepted tokens per proposer, see StepRecord)."""
     records: list[StepRecord] = attrs.field(factory=list)
     prompt_id: Any = None
 
@@ -63,14 +65,22 @@ class Engine:
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
         self.policy = host.policies.get(config.policy.name).cls(config.policy.params)
         self.verifier = host.verifiers.get(config.verifier.name).cls(config.verifier.params)
-        if drafter is not None:  # one executor per shape the policy may choose, built up front
-            self.runtime.prepare(self.policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512)
+        self.sources = [host.sources.get(s.name).cls(s.params) for s in config.sources]
+        self.proposers = ["head", *(s.name for s in config.sources)]  # origin bits of fused nodes
+        if drafter is not None or self.sources:  # one executor per shape the policy may choose, built up front
+            extra = max((s.extra_slots() for s in self.sources), default=0)
+            self.runtime.prepare(self.policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512, extra_rows=extra)
         self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else None
         self._observe = host.has_observers("adaptivespec_step")
 
     @property
     def lossless(self) -> bool:
         return self.config.autoregressive or self.verifier.lossless
+
+    def forget(self) -> None:
+        """Drop what the candidate sources remembered across generations (their output caches)."""
+        for s in self.sources:
+            s.forget()
 
     def encode(self, text: str, raw: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
@@ -89,17 +99,22 @@ class Engine:
     ) -> GenerationResult:
         """Greedy generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
-        rt, policy, verifier = self.runtime, self.policy, self.verifier
-        speculative = rt.drafter is not None
+        rt, policy, verifier, sources = self.runtime, self.policy, self.verifier, self.sources
+        speculative = rt.drafter is not None or bool(sources)
         out: list[int] = []
         records: list[StepRecord] = []
         promoted_total = 0
+        by_source = {n: 0 for n in self.proposers if n != "head" or rt.drafter is not None}
         t0 = time.perf_counter()
         policy.reset()
+        for s in sources:
+            s.reset(list(prompt_ids))
 
         first = rt.prefill(prompt_ids, limit)
         forwards = 1
         done = self._take(out, [first], limit, on_tokens)
+        for s in sources:
+            s.extend(out)
         last_accepted, step = -1, 0
         while not done:
             t_step = time.perf_counter()
@@ -107,11 +122,20 @@ class Engine:
                 done = self._take(out, [rt.ar_step()], limit, on_tokens)
                 forwards += 1
                 continue
-            # 1. shape: the policy reads signals available before drafting
-            signals = StepSignals(step=step, draft_top1_prob=rt.draft_top1_prob(), last_accepted=last_accepted)
+            # 1. candidates from the sources; shape: the policy reads signals available before drafting
+            tries = [s.propose() for s in sources]
+            top1 = rt.draft_top1_prob() if rt.drafter is not None else max(
+                (s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
+            signals = StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted)
             shape = policy.next_shape(signals)
-            # 2. draft a tree of that shape
-            tree = rt.draft(shape, policy)
+            # 2. draft a tree of that shape (unless a source's match is long enough); fuse the candidates in
+            skip = any(t is not None and s.skip_draft(t) for s, t in zip(sources, tries))
+            tree = rt.draft(shape, policy) if rt.drafter is not None and not skip else None
+            fused = None
+            if any(tries) or tree is None:  # (no drafter and nothing proposed: the root alone, a plain step)
+                budget = shape.ndt + max((s.extra_slots() for s, t in zip(sources, tries) if t), default=0)
+                fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device)
+                tree = fused.tree
             t_draft = time.perf_counter()
             # 3. verify: one target forward over the tree, then the verifier's rule
             logits, hidden = rt.verify_forward(tree)
@@ -123,6 +147,14 @@ class Engine:
             done = self._take(out, result.tokens, limit, on_tokens)
             if not done:
                 rt.commit(tree, result, hidden)
+            for s, t in zip(sources, tries):
+                s.extend(out[n_before:])
+                if t:
+                    s.observe(t, result.tokens)
+            step_by = fused.accepted_by(result.path, self.proposers) if fused is not None else {"head": result.accepted}
+            step_by = {n: step_by.get(n, 0) for n in by_source}
+            for n, k in step_by.items():
+                by_source[n] += k
             t_end = time.perf_counter()
             promoted_total += result.promoted
             record = StepRecord(
@@ -137,6 +169,7 @@ class Engine:
                 other_ms=(t_end - t_verify) * 1e3,
                 signals=signals,
                 policy_state=policy.state(),
+                accepted_by_source=step_by,
             )
             policy.observe(record)
             records.append(record)
@@ -155,6 +188,10 @@ class Engine:
             "tokens_per_second": len(out) / wall if wall > 0 else 0.0,
             "promoted_tokens": promoted_total,
         }
+        if speculative:
+            stats["accepted_by_source"] = by_source
+        for s in sources:
+            s.finish(list(out))
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         res = GenerationResult(token_ids=out, text=text, stats=stats, records=records)
         if self.host.has_observers("adaptivespec_generation_done"):

@@ -65,6 +65,17 @@ def adaptivespec_register_runtimes(registry) -> None:
     """
 
 
+@hookspec
+def adaptivespec_register_sources(registry) -> None:
+    """Register candidate sources (drafting without a model, e.g. retrieval from the context).
+
+    :param registry: a :class:`~adaptivespec.plugins.Registry` of kind ``source``; call
+        ``registry.register(cls)`` with a :class:`~adaptivespec.strategies.CandidateSource`
+        subclass. A config lists the sources it uses under ``sources:``; their proposals are fused
+        with the head's tree in one verify budget. The built-in source is ``retrieval``.
+    """
+
+
 # -- observers (decode loop) ----------------------------------------------------------------
 @hookspec
 def adaptivespec_step(record) -> None:

@@ -38,6 +38,7 @@ BUILTIN_PLUGINS = {
     "eagle3": "adaptivespec.drafter",
     "torch": "adaptivespec.runtime",
     "torch-cuda-graphs": "adaptivespec.cuda_graphs",
+    "retrieval": "adaptivespec.sources.retrieval",
 }
 
 
@@ -109,7 +110,7 @@ class Registry:
 
 @attrs.define(eq=False)
 class PluginHost:
-    """Typed facade over the pluggy manager: the four registries and the observer hooks."""
+    """Typed facade over the pluggy manager: the five registries and the observer hooks."""
 
     pm: pluggy.PluginManager
     policies: Registry
@@ -117,15 +118,17 @@ class PluginHost:
     drafters: Registry
     runtimes: Registry
     providers: dict[str, str]  # plugin name -> distribution
+    sources: Registry = attrs.Factory(lambda: Registry("source"))
 
     def registry(self, kind: str) -> Registry:
-        return {"policy": self.policies, "verifier": self.verifiers, "drafter": self.drafters, "runtime": self.runtimes}[kind]
+        return {"policy": self.policies, "verifier": self.verifiers, "drafter": self.drafters, "runtime": self.runtimes,
+                "source": self.sources}[kind]
 
     def has_observers(self, hook: str) -> bool:
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
 
     def entries(self) -> list[Entry]:
-        return [e for r in (self.policies, self.verifiers, self.drafters, self.runtimes) for e in r.entries()]
+        return [e for r in (self.policies, self.verifiers, self.drafters, self.runtimes, self.sources) for e in r.entries()]
 
     @property
     def failed(self) -> list[FailedPlugin]:
@@ -228,6 +231,7 @@ def make_plugin_host(extra_plugins: list[Any] = ()) -> PluginHost:
         drafters=_collect(pm, "adaptivespec_register_drafters", "drafter", providers),
         runtimes=_collect(pm, "adaptivespec_register_runtimes", "runtime", providers),
         providers=providers,
+        sources=_collect(pm, "adaptivespec_register_sources", "source", providers),
     )
 
 

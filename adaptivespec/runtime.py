@@ -57,9 +57,11 @@ class TorchRuntime:
         self.root_logp: torch.Tensor | None = None  # [Vd]
         self.bank: ShapeBank | None = None
 
-    def prepare(self, shapes, capacity: int = 1024) -> ShapeBank:
-        """Build the shape bank: one executor per shape the policy may choose, before decoding."""
-        self.bank = ShapeBank(shapes, capacity=capacity, dtype=self.dtype, device=self.device)
+    def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0) -> ShapeBank:
+        """Build the shape bank: one executor per shape the policy may choose, before decoding.
+
+        ``extra_rows``: verify slots beyond a shape's ``ndt`` (nodes added by candidate sources)."""
+        self.bank = ShapeBank(shapes, capacity=capacity, dtype=self.dtype, device=self.device, extra_rows=extra_rows)
         return self.bank
 
     # -- prefill --------------------------------------------------------------------------------
@@ -72,7 +74,7 @@ class TorchRuntime:
         from transformers import DynamicCache
 
         if self.bank is not None:
-            self.bank.reserve(len(prompt_ids) + max_new_tokens + max(s.ndt for s in self.bank.shapes) + 1)
+            self.bank.reserve(len(prompt_ids) + max_new_tokens + max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows + 1)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
         self.cache = DynamicCache(config=self.target.config)
         need_hidden = self.drafter is not None
@@ -152,7 +154,7 @@ class TorchRuntime:
             attention_mask=mask,
             cache=self.cache,
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=self.drafter is not None,  # only the drafter's extension reads them
         )
         block.zero_()
         return out.logits[0], out.hidden_states
@@ -164,6 +166,10 @@ class TorchRuntime:
         kept = len(path)
         idx = torch.tensor(path, dtype=torch.long, device=self.device)
         compact_cache(self.cache, self.P, path, idx, tree.size)
+        if self.drafter is None:  # candidate sources alone: no drafter to extend
+            self.P += kept
+            self.root = torch.tensor(result.tokens[-1], dtype=torch.long, device=self.device)
+            return
         # Drafter: drop the draft slots, then run the accepted pairs (token[i+1], state[i]).
         d = self.drafter
         d.length = self.P

@@ -93,3 +93,49 @@ class Verifier:
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         """Accepted path and emitted tokens. ``logits``: [n, V] target logits at every tree node."""
         raise NotImplementedError
+
+
+class CandidateSource:
+    """Proposes continuations of the sequence so far, verified beside (or instead of) the head's tree.
+
+    One instance lives in an engine for its whole life. Per generation the decode loop calls
+    :meth:`reset` with the prompt, :meth:`extend` with every token emitted, :meth:`propose` before
+    each step's verify and :meth:`observe` after it (with the tokens the step emitted, so a source
+    can learn how often its proposals are accepted), and :meth:`finish` with the whole output.
+    A source only proposes: the verifier decides, so it never makes decoding lossy.
+    """
+
+    name: ClassVar[str] = ""
+    lossless: ClassVar[bool] = True  # proposals are verified like any drafted node
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a new sequence with ``prompt_ids``."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """``tokens`` were appended to the sequence (the last one is the root of the next tree)."""
+
+    def propose(self):
+        """A :class:`~adaptivespec.ngram.CandidateTrie` of continuations below the root (its
+        ``scores`` set: estimated acceptance of each node's path), or None."""
+        raise NotImplementedError
+
+    def observe(self, trie, tokens: list[int]) -> None:
+        """The step verified with ``trie`` emitted ``tokens`` (accepted + bonus)."""
+
+    def finish(self, output_ids: list[int]) -> None:
+        """The generation ended with ``output_ids`` (a source may remember them for later prompts)."""
+
+    def forget(self) -> None:
+        """Drop whatever was remembered across generations."""
+
+    def extra_slots(self) -> int:
+        """Verify slots granted beyond the policy's ``ndt`` when this source has proposals."""
+        return 0
+
+    def skip_draft(self, trie) -> bool:
+        """True when ``trie`` alone is worth verifying: the head's draft passes are skipped."""
+        return False

@@ -131,6 +131,9 @@ class StepRecord:
     """Signals the policy read before choosing ``shape``."""
     policy_state: dict[str, Any] = attrs.field(factory=dict)
     """What the policy reports about its decision (e.g. DCS and its inputs)."""
+    accepted_by_source: dict[str, int] = attrs.field(factory=dict)
+    """Accepted tokens per proposer: ``head`` (the drafter) and each candidate source by name; a
+    node proposed by two counts for both. Empty for plain decoding steps."""
 
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self, recurse=False)

@@ -122,3 +122,36 @@ def test_generation_stops_exactly_at_limit_and_eos(full_vocab_head_dir, greedy_r
             assert full.token_ids == ref[: ref.index(eos) + 1]
     finally:
         drafter.__class__ = Eagle3Drafter
+
+
+# -- candidate sources: retrieval fused with the head (hybrid.yaml) and alone (retrieval.yaml) ------
+REPEATING = [
+    "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
+    "Rename the variable x to total in this code and show the whole code:\ndef f(x):\n    x = x + 1\n    return x * x",
+]
+RETRIEVAL_CONFIGS = {  # name: (config file, overrides, prompts)
+    "hybrid": ("hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
+    "hybrid-skip-draft": ("hybrid.yaml", ["sources=[{name: retrieval, extra_slots: 4, skip_draft_match: 2}]"], REPEATING[:1]),
+    "retrieval": ("retrieval.yaml", [], [*REPEATING, PROMPTS[0]]),
+}
+
+
+@pytest.mark.parametrize("name", list(RETRIEVAL_CONFIGS))
+def test_retrieval_configs_are_lossless(name, greedy_reference):
+    file, extra, prompts = RETRIEVAL_CONFIGS[name]
+    config = Path(__file__).parents[1] / "configs" / file
+    engine = Engine(load_config(config, ["runtime.dtype=float32", *extra]))
+    by_source: dict[str, int] = {}
+    sizes = set()
+    for text in prompts:
+        ids, ref = greedy_reference(text)
+        res = engine.generate_ids(ids, max_new_tokens=48)
+        assert res.token_ids == ref, text
+        for k, v in res.stats["accepted_by_source"].items():
+            by_source[k] = by_source.get(k, 0) + v
+        sizes |= {r.tree_size for r in res.records}
+    assert by_source["retrieval"] > 10  # copied spans were really drafted from the context
+    if "head" in by_source and name == "hybrid":
+        assert by_source["head"] > 0
+    policy = engine.config.policy.params
+    assert max(sizes) > policy.ndt if engine.sources[0].extra_slots() else max(sizes) <= policy.ndt

@@ -4,7 +4,9 @@ The run, in order:
 
 1. every config is loaded with the shared ``--set`` overrides and ``generation.max_new_tokens``;
    the target is loaded once (``decode.load_models`` caches it per process);
-2. each contender is warmed up once (:data:`WARMUP_TOKENS` tokens, untimed, not recorded);
+2. each contender is warmed up once (:data:`WARMUP_TOKENS` tokens, untimed, not recorded); a
+   candidate source's cross-request output cache (off unless a config sets it) is emptied after
+   it: each contender has its own, and a prompt never drafts from its own earlier outputs;
 3. for prompt ``i``, every contender runs in the order rotated by ``i`` (so slow drift of the
    machine hits every contender alike); each (contender, prompt) pair is graded and appended to
    ``OUT/records.jsonl`` at once. A killed run rerun with the same command skips the pairs already
@@ -121,7 +123,7 @@ def load_bench_config(path: str, overrides: list[str]) -> Config:
     if not any(is_drafter):
         return load_config(path, overrides)
     plain = load_config(path, [o for o, d in zip(overrides, is_drafter) if not d])
-    return plain if plain.autoregressive else load_config(path, overrides)
+    return plain if plain.model.drafter is None else load_config(path, overrides)
 
 
 def _jsonable(value: Any) -> Any:
@@ -144,6 +146,10 @@ class ConfigContender:
 
     def generate_ids(self, ids: list[int], *, max_new_tokens: int, on_step=None):
         return self.engine.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step)
+
+    def forget(self) -> None:
+        """Drop what candidate sources remembered (the warm-up's output never drafts a prompt)."""
+        self.engine.forget()
 
 
 def build_contenders(spec: BenchSpec, names: set[str]) -> dict[str, Any]:
@@ -288,6 +294,8 @@ def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, prog
         contenders = build_contenders(spec, {name for _, _, name in todo})
         for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
             c.generate_ids(c.encode(problems[0].prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
+            if hasattr(c, "forget"):
+                c.forget()
         total = len(problems) * len(names)
         bar = tqdm(total=total, initial=total - len(todo), desc=f"{spec.command} {spec.dataset}", unit="gen",
                    file=sys.stderr, dynamic_ncols=True, disable=not progress)
