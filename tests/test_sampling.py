@@ -296,3 +296,96 @@ def test_cli_refusal_is_one_line_exit_2():
 def test_generation_keys_are_validated(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         load_config(None, [override])
+
+
+# -- the real model --------------------------------------------------------------------------------------
+def _engine(*overrides):
+    from adaptivespec.decode import Engine
+
+    return Engine(load_config(None, ["runtime.dtype=float32", *overrides]))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("drafter", [[], ["model.drafter=null"], ["policy.name=dcs"]])
+def test_top_k_one_at_temperature_one_is_greedy_decoding(drafter, greedy_reference):
+    """Truncation to the top-1 leaves one token with mass: sampling must reproduce greedy decoding."""
+    from shared_prompts import PROMPTS
+
+    engine = _engine("generation.temperature=1.0", "generation.top_k=1", *drafter)
+    ids, ref = greedy_reference(PROMPTS[0], 16)
+    assert engine.generate_ids(ids, max_new_tokens=16, seed=5).token_ids == ref
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("drafter", [[], ["model.drafter=null"]])
+def test_seeded_runs_repeat_bit_for_bit_and_seeds_differ(drafter):
+    engine = _engine("generation.temperature=1.0", *drafter)
+    ids = engine.encode("Name a color.")
+    runs = {s: engine.generate_ids(ids, max_new_tokens=6, seed=s).token_ids for s in range(4)}
+    assert engine.generate_ids(ids, max_new_tokens=6, seed=2).token_ids == runs[2]
+    assert len({tuple(r) for r in runs.values()}) > 1
+
+
+@pytest.mark.model
+def test_speculative_first_tokens_are_distributed_as_plain_sampling():
+    """Cheap version of scripts/sampling_check.py (whose 300-sample run is in the notes): 48 seeded
+    2-token samples of eagle3's static tree and of plain decoding, top-k 5 so the sample is dense."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("sampling_check", Path(__file__).parents[1] / "scripts" / "sampling_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    settings = ["generation.temperature=1.0", "generation.top_k=5", "policy.nsteps=3", "policy.topk=4", "policy.ndt=8"]
+    out = {}
+    for name, extra in (("ar", ["model.drafter=null"]), ("eagle3", [])):
+        engine = _engine(*settings, *extra)
+        ids = engine.encode(check.PROMPT)
+        out[name] = [tuple(engine.generate_ids(ids, max_new_tokens=2, seed=s).token_ids) for s in range(48)]
+    assert len(set(out["ar"])) > 3 and len(set(out["eagle3"])) > 3  # both actually vary across seeds
+    result = check.compare(out["ar"], out["eagle3"], permutations=400)
+    assert min(r["p"] for r in result.values()) > 0.01, result
+
+
+def test_permutation_test_has_power():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("sampling_check", Path(__file__).parents[1] / "scripts" / "sampling_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    rng = random.Random(0)
+    a = [(rng.choices([1, 2, 3], [0.5, 0.3, 0.2])[0], rng.randrange(3)) for _ in range(64)]
+    b = [(rng.choices([1, 2, 3], [0.2, 0.3, 0.5])[0], rng.randrange(3)) for _ in range(64)]
+    c = [(rng.choices([1, 2, 3], [0.5, 0.3, 0.2])[0], rng.randrange(3)) for _ in range(64)]
+    assert check.compare(a, b, permutations=400)["first"]["p"] < 0.01
+    assert check.compare(a, c, permutations=400)["first"]["p"] > 0.05
+
+
+@pytest.mark.model
+def test_cli_record_seeds(tmp_path, capsys):
+    """Record i uses generation.seed + i unless it carries "seed": equal seeds, equal outputs."""
+    from adaptivespec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "Name a color.", "id": "a"}, {"prompt": "Name a color.", "id": "b", "seed": 0},
+            {"prompt": "Name a color.", "id": "c", "seed": 7}, {"prompt": "Name a color.", "id": "d"},
+            {"prompt": "Name a color.", "id": "e", "seed": 4}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    argv = ["generate", "--config", "configs/ar.yaml", "--prompts", str(prompts), "--json", "--max-new-tokens", "5",
+            "--set", "generation.temperature=1.0", "--set", "generation.seed=4", "--set", "runtime.dtype=float32"]
+    assert main(argv) == 0
+    out = {r["id"]: r["token_ids"] for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert out["a"] == out["e"]  # a: 4 + 0; e: its own 4
+    assert out["d"] == out["c"]  # d: 4 + 3; c: its own 7
+    assert len({tuple(v) for v in out.values()}) >= 2
+
+
+def test_prompts_file_seed_is_validated(tmp_path):
+    from adaptivespec.cli import read_prompts
+    from adaptivespec.errors import AdaptiveSpecError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x", "seed": -3}\n')
+    with pytest.raises(AdaptiveSpecError, match='p.jsonl:1: "seed": expected a non-negative integer, got -3'):
+        read_prompts(str(path))
