@@ -1,6 +1,6 @@
 """Do speculative configs sample like plain decoding? A permutation test on the first tokens.
 
-For every config, ``--samples`` seeded generations (seeds 0..N-1) of ``--tokens`` tokens of one
+For every config, ``--samples`` seeded generations (config k: seeds k * 10^6 + 0..N-1) of ``--tokens`` tokens of one
 prompt at ``generation.temperature`` (and any ``--set``); each config's outcomes are compared with
 the first config's (the reference, normally ``configs/ar.yaml``) by a permutation test on three
 statistics: the total-variation distance between the empirical distributions of the first token,
@@ -59,7 +59,13 @@ def compare(ref: list[tuple[int, ...]], other: list[tuple[int, ...]], permutatio
     return out
 
 
-def sample(config_path: str, overrides: list[str], prompt: str, n: int, tokens: int) -> list[tuple[int, ...]]:
+SEED_STRIDE = 1_000_000
+"""Config k of a run samples with seeds ``k * SEED_STRIDE + 0..N-1``: the configs' samples must be
+independent for a permutation test (with shared seeds, identical prefill logits would give
+identical first tokens, a coupling that hides differences)."""
+
+
+def sample(config_path: str, overrides: list[str], prompt: str, n: int, tokens: int, first_seed: int = 0) -> list[tuple[int, ...]]:
     from tqdm import tqdm
 
     from adaptivespec.config import load_config
@@ -67,7 +73,7 @@ def sample(config_path: str, overrides: list[str], prompt: str, n: int, tokens: 
 
     engine = Engine(load_config(config_path, overrides))
     ids = engine.encode(prompt)
-    return [tuple(engine.generate_ids(ids, max_new_tokens=tokens, seed=s).token_ids)
+    return [tuple(engine.generate_ids(ids, max_new_tokens=tokens, seed=first_seed + s).token_ids)
             for s in tqdm(range(n), desc=Path(config_path).stem, file=sys.stderr)]
 
 
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the samples and p-values here")
     args = p.parse_args(argv)
     overrides = args.overrides or ["generation.temperature=1.0"]
-    samples = {c: sample(c, overrides, args.prompt, args.samples, args.tokens) for c in args.configs}
+    samples = {c: sample(c, overrides, args.prompt, args.samples, args.tokens, k * SEED_STRIDE) for k, c in enumerate(args.configs)}
     ref = args.configs[0]
     report = {"settings": vars(args) | {"overrides": overrides}, "results": {}}
     for c in args.configs:
