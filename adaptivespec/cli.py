@@ -53,7 +53,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (a user message)")
-    src.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "id"?: ...} per line')
+    src.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "id"?: ..., "seed"?: ...} per line '
+                     '(at temperature > 0 record i uses generation.seed + i unless it has its own "seed")')
     p.add_argument("--max-new-tokens", type=positive_int, help="override generation.max_new_tokens")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set verifier.kappa=0.5 (repeatable)")
@@ -77,6 +78,9 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
             raise AdaptiveSpecError(f"--prompts: {path}:{n}: invalid JSON ({exc.msg})") from None
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
             raise AdaptiveSpecError(f'--prompts: {path}:{n}: expected an object with a string "prompt", got {line[:60]!r}')
+        seed = item.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise AdaptiveSpecError(f'--prompts: {path}:{n}: "seed": expected a non-negative integer, got {seed!r}')
         prompts.append(item)
     if not prompts:
         raise AdaptiveSpecError(f"--prompts: {path}: no prompts in the file")
@@ -111,15 +115,16 @@ def run_generate(args) -> int:
     engine = Engine(config)
     trace = open(args.trace, "w") if args.trace else None
     try:
-        for item in prompts:
+        for i, item in enumerate(prompts):
             pid = item.get("id")
+            seed = item.get("seed", config.generation.seed + i)
             on_step = None
             if trace is not None:
                 def on_step(record, pid=pid):
                     trace.write(json.dumps({"id": pid, **record.to_dict()}) + "\n")
             streamer = None if args.json else _Streamer(engine.tokenizer)
             ids = engine.encode(item["prompt"], raw=args.raw)
-            result = engine.generate_ids(ids, on_tokens=streamer, on_step=on_step)
+            result = engine.generate_ids(ids, on_tokens=streamer, on_step=on_step, seed=seed)
             s = result.stats
             if args.json:
                 print(json.dumps({"id": pid, "text": result.text, "token_ids": result.token_ids, "stats": s}), flush=True)

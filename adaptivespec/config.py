@@ -96,6 +96,20 @@ class GenerationConfig:
     """Stop at the tokenizer's end-of-sequence token."""
     chat_template: bool = True
     """Wrap prompts in the tokenizer's chat template as one user message (``--raw`` disables)."""
+    temperature: float = attrs.field(default=0.0, validator=number_in(0, None))
+    """Sampling temperature; 0 (the default) is greedy decoding. With temperature > 0 the target's
+    distribution is transformed as transformers' ``generate(do_sample=True)`` does, in its order:
+    temperature, then ``top_k``, then ``top_p``, then ``min_p`` (see ``adaptivespec.sampling``)."""
+    top_k: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
+    """Keep only the k most likely tokens (ties with the k-th kept); null: no top-k truncation.
+    Unlike transformers' ``generate``, no implicit default of 50."""
+    top_p: float = attrs.field(default=1.0, validator=number_in(0, 1, lo_open=True))
+    """Nucleus sampling: keep the smallest set of most likely tokens whose mass reaches top_p; 1: off."""
+    min_p: float | None = attrs.field(default=None, validator=number_in(0, 1))
+    """Drop tokens whose probability is below min_p times the largest one; null: off."""
+    seed: int = attrs.field(default=0, validator=number_in(0, None))
+    """Seed of the sampling generator: record i of a run uses seed + i unless it carries its own
+    ``"seed"``. Same seed, config and machine: same output. Ignored at temperature 0."""
 
 
 @attrs.frozen(kw_only=True)
@@ -291,7 +305,11 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
         if name not in registry:
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
             raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
-    return Config(**sections, **strategies, source=where, sources=build_sources(data.get("sources"), where, host))
+    config = Config(**sections, **strategies, source=where, sources=build_sources(data.get("sources"), where, host))
+    from adaptivespec.sampling import check_sampling
+
+    check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
+    return config
 
 
 def build_sources(raw: Any, where: str, host) -> tuple[StrategyConfig, ...]:

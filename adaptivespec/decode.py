@@ -15,6 +15,7 @@ import torch
 from adaptivespec.config import Config
 from adaptivespec.fusion import fuse
 from adaptivespec.models import DTYPES, encode_prompt, load_target
+from adaptivespec.sampling import Sampler, check_sampling
 from adaptivespec.types import StepRecord, StepSignals
 
 _MODELS: dict[tuple, Any] = {}
@@ -65,6 +66,10 @@ class Engine:
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
         self.policy = host.policies.get(config.policy.name).cls(config.policy.params)
         self.verifier = host.verifiers.get(config.verifier.name).cls(config.verifier.params)
+        check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
+        self.sampler = Sampler.from_config(config.generation, self.runtime.device)  # None: greedy
+        if self.sampler is not None:
+            self.runtime.sampler = self.verifier.sampler = self.sampler
         self.sources = [host.sources.get(s.name).cls(s.params) for s in config.sources]
         self.proposers = ["head", *(s.name for s in config.sources)]  # origin bits of fused nodes
         if drafter is not None or self.sources:  # one executor per shape the policy may choose, built up front
@@ -85,8 +90,9 @@ class Engine:
     def encode(self, text: str, raw: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
 
-    def generate(self, text: str, *, raw: bool = False, max_new_tokens: int | None = None, on_tokens=None) -> GenerationResult:
-        result = self.generate_ids(self.encode(text, raw), max_new_tokens=max_new_tokens, on_tokens=on_tokens)
+    def generate(self, text: str, *, raw: bool = False, max_new_tokens: int | None = None, on_tokens=None,
+                 seed: int | None = None) -> GenerationResult:
+        result = self.generate_ids(self.encode(text, raw), max_new_tokens=max_new_tokens, on_tokens=on_tokens, seed=seed)
         return result
 
     def generate_ids(
@@ -96,9 +102,15 @@ class Engine:
         max_new_tokens: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
+        seed: int | None = None,
     ) -> GenerationResult:
-        """Greedy generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids."""
+        """Generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids.
+
+        Greedy at ``generation.temperature`` 0; otherwise sampled, the generator reseeded with
+        ``seed`` (default ``generation.seed``) so that a seed always gives the same output."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
+        if self.sampler is not None:
+            self.sampler.reseed(self.config.generation.seed if seed is None else seed)
         rt, policy, verifier, sources = self.runtime, self.policy, self.verifier, self.sources
         speculative = rt.drafter is not None or bool(sources)
         out: list[int] = []

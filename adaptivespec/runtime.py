@@ -18,6 +18,7 @@ import torch
 
 import adaptivespec
 from adaptivespec.bank import ShapeBank
+from adaptivespec.sampling import pick_next
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
@@ -43,6 +44,9 @@ class TorchRuntime:
     """Plain-PyTorch execution of prefill, tree drafting, tree verification and cache commit."""
 
     name = "torch"
+    sampler = None
+    """The engine's :class:`~adaptivespec.sampling.Sampler` at temperature > 0: prefill's first token
+    and :meth:`ar_step` are drawn with it (None: greedy argmax)."""
 
     def __init__(self, target, drafter=None, config=None) -> None:
         self.target = target
@@ -67,7 +71,8 @@ class TorchRuntime:
     # -- prefill --------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0) -> int:
-        """Run the prompt; returns the first generated token (the target's greedy choice).
+        """Run the prompt; returns the first generated token (the target's greedy choice, or a
+        draw from its sampling distribution when a sampler is set).
 
         The shape bank's buffers are grown here, once, to cover the whole generation.
         """
@@ -79,7 +84,7 @@ class TorchRuntime:
         self.cache = DynamicCache(config=self.target.config)
         need_hidden = self.drafter is not None
         out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
-        self.root = out.logits[0, -1].argmax()
+        self.root = pick_next(self.sampler, out.logits[0, -1])
         self.P = ids.shape[1]
         if need_hidden:
             d = self.drafter
@@ -97,10 +102,10 @@ class TorchRuntime:
     # -- autoregressive ---------------------------------------------------------------------------
     @torch.inference_mode()
     def ar_step(self) -> int:
-        """One plain greedy decoding step: run the root, return the next token."""
+        """One plain decoding step: run the root, return the next token (greedy, or drawn with the sampler)."""
         out = self.target(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
         self.P += 1
-        self.root = out.logits[0, -1].argmax()
+        self.root = pick_next(self.sampler, out.logits[0, -1])
         return int(self.root)
 
     # -- speculative step -----------------------------------------------------------------------

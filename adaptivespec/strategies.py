@@ -86,6 +86,12 @@ class Verifier:
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True
     Params: ClassVar[type] = NoParams
+    supports_sampling: ClassVar[bool] = False
+    """Whether :meth:`verify` has a sampling form (``generation.temperature > 0``). Without one,
+    a speculative config at temperature > 0 is refused (:func:`adaptivespec.sampling.check_sampling`)."""
+    sampler: Any = None
+    """At temperature > 0 the engine sets its :class:`~adaptivespec.sampling.Sampler` here before
+    decoding; None means greedy. A verifier with a sampling form reads it in :meth:`verify`."""
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()

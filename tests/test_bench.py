@@ -270,3 +270,20 @@ def test_sweep_end_to_end(models, random_head_dir, tmp_path, capsys):
     md = (out / "results.md").read_text()
     assert "| verifier.kappa |" in md and "speedup vs eagle3" in md
     assert "adaptivespec-lossy[verifier.kappa=0.8]" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_bench_samples_with_per_prompt_seeds_and_records_the_settings(models, random_head_dir, tmp_path):
+    out = tmp_path / "sampled"
+    args = small(random_head_dir, out, tokens=4) + ["--set", "generation.temperature=0.7", "--set", "generation.seed=10"]
+    assert main(["bench", "--configs", AR, EAGLE3, "--peers", "hf-generate", *args]) == 0
+    recs = records(out)
+    assert {(r["config"], r["index"], r["seed"]) for r in recs} == {
+        (c, i, 10 + i) for c in ("ar", "eagle3", "hf-generate") for i in range(2)}
+    res = json.loads((out / "results.json").read_text())
+    expected = {"temperature": 0.7, "top_k": None, "top_p": 1.0, "min_p": None, "seed": 10}
+    assert res["meta"]["sampling"] == expected
+    assert all(r["sampling"] == expected for r in res["configs"])
+    peer = next(r for r in res["configs"] if r["name"] == "hf-generate")
+    assert peer["config"]["generate"]["do_sample"] is True and peer["config"]["generate"]["top_k"] == 0
+    assert "Sampling: temperature 0.7" in (out / "results.md").read_text()

@@ -133,3 +133,31 @@ def test_serve_checks_the_api_then_execs(config, monkeypatch):
     (file, argv, env), = calls
     assert file == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
     assert env[CONFIG_ENV] == str(config.resolve())
+
+
+def test_sampling_settings_become_sglang_defaults(tmp_path):
+    path = tmp_path / "sampled.yaml"
+    path.write_text("policy: {name: static, nsteps: 5, topk: 4, ndt: 8}\nverifier: strict\n"
+                    "generation: {temperature: 0.7, top_p: 0.9}\n")
+    argv = serve.build_command(path, TARGET, DRAFTER)
+    import json
+
+    assert json.loads(flag(argv, "--preferred-sampling-params")) == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0}
+    mine = ["--preferred-sampling-params", '{"temperature": 1.0}']
+    assert serve.build_command(path, TARGET, DRAFTER, extra_args=mine).count("--preferred-sampling-params") == 1
+
+
+def test_greedy_config_adds_no_sampling_flag(config):
+    assert "--preferred-sampling-params" not in serve.build_command(config, TARGET, DRAFTER)
+
+
+def test_margin_at_temperature_is_refused(tmp_path, capsys):
+    path = tmp_path / "margin.yaml"
+    path.write_text("policy: {name: dcs}\nverifier: {name: margin, kappa: 0.5}\ngeneration: {temperature: 0.7}\n")
+    with pytest.raises(AdaptiveSpecError, match="verifier 'margin' at generation.temperature 0.7: SGLang samples"):
+        serve.build_command(path, TARGET, DRAFTER)
+    from adaptivespec.cli import main
+
+    assert main(["serve", "--config", str(path), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no form" in err

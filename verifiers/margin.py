@@ -13,6 +13,7 @@ import torch
 
 import adaptivespec
 from adaptivespec.config import number_in, one_of, positive_int
+from adaptivespec.sampling import residual_draw, sibling_accept
 from adaptivespec.strategies import Verifier
 from adaptivespec.tree import accepted_path
 from adaptivespec.types import DraftTree, VerifyResult
@@ -79,12 +80,15 @@ class MarginVerifier(Verifier):
     name = "margin"
     lossless = False
     Params = MarginParams
+    supports_sampling = True
 
     def __init__(self, params: MarginParams | None = None) -> None:
         super().__init__(params)
         self._log_kappa = math.log(self.params.kappa) - THRESHOLD_TOL
 
     def verify(self, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        if self.sampler is not None and not self.sampler.greedy:
+            return self.verify_sampled(tree, logits)
         p = self.params
         n, device = tree.tokens.shape[0], logits.device
         parent = tree.parents.clamp(min=0)  # [n]; the root points at itself and is masked below
@@ -124,6 +128,64 @@ class MarginVerifier(Verifier):
             ok = ok & (n_promoted <= p.max_promotions)
         last = accepted_path(tree, ok)
         return emit(tree, last, top1[last], n_promoted[last].long())
+
+    def verify_sampled(self, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        """The sampling form (temperature > 0, lossy): margin acceptance, else the lossless test.
+
+        ``p(. | u)`` is the target's sampling distribution (temperature, top-k, top-p, min-p
+        applied). Walking from the root, at an accepted node ``u`` while promotions remain
+        (``max_promotions``): the child ``c`` with the largest ``p(c | u)`` (ties: lowest index) is
+        **accepted outright** (promoted) when ``p(c | u) >= kappa * max_y p(y | u)``
+        (``additive``: ``max p - p(c | u) <= delta``; ``top_k``: ``c`` among the k most likely).
+        Otherwise, or once the promotions are spent, the children go through the lossless tree
+        test of ``strict`` (accepted with their residual probability, in order); when all fail
+        the step ends with a draw from the residual, and at a leaf with a draw from ``p(. | u)``.
+        Only tokens with ``p > 0`` are ever accepted, so top-k / top-p / min-p are never violated.
+        ``VerifyResult.promoted`` counts the outright acceptances on the path. At temperature 0
+        :meth:`verify` keeps the greedy rule exactly.
+        """
+        p, sampler = self.params, self.sampler
+        n, device = tree.tokens.shape[0], logits.device
+        parent = tree.parents.clamp(min=0)
+        child, par = torch.arange(1, n, device=device), parent[1:]
+        probs = sampler.probs(logits)  # [n, V]
+        p_max = probs.amax(-1)  # [n]
+        p_tok = probs[parent, tree.tokens]  # [n] p(token(i) | parent(i))
+
+        # 1. the outright candidate of each parent: its most likely child, if it passes the margin
+        best_p = torch.full((n,), -1.0, device=device).scatter_reduce(0, par, p_tok[1:], "amax")
+        is_top = torch.where(p_tok[1:] == best_p[par], child, n)
+        first = torch.full((n,), n, dtype=torch.long, device=device).scatter_reduce(0, par, is_top, "amin")
+        best = torch.zeros(n, dtype=torch.bool, device=device)
+        best[1:] = first[par] == child
+        if p.form == "ratio":
+            passes = torch.log(p_tok) - torch.log(p_max[parent]) >= self._log_kappa
+        else:
+            passes = p_max[parent] - p_tok <= p.delta + THRESHOLD_TOL
+        if p.top_k is not None:
+            kth = probs.topk(min(p.top_k, probs.shape[-1]), -1).values[:, -1]  # [n]
+            passes = passes & (p_tok >= kth[parent])
+        outright = best & passes & (p_tok > 0)
+        outright[0] = False
+        has_outright = torch.zeros(n, dtype=torch.long, device=device).scatter_reduce(0, par, outright[1:].long(), "amax") > 0
+
+        # 2. the lossless test everywhere (used where no promotion applies)
+        lossless = sibling_accept(tree, probs, sampler.uniform(n))
+
+        # 3. promotions left at each node depend on its path: settle them level by level
+        cap = math.inf if p.max_promotions is None else p.max_promotions
+        count = torch.zeros(n, device=device)  # promotions on root..i
+        for _ in range(tree.shape.nsteps):  # a tree is at most nsteps deep; tensor ops only
+            use = has_outright & (count < cap)  # [n] node u promotes one of its children
+            promoted = use[parent] & outright
+            promoted[0] = False
+            count = tree.ancestors.float() @ promoted.float()
+        use = has_outright & (count < cap)
+        ok = torch.where(use[parent], outright, lossless)
+        ok[0] = True
+        last = accepted_path(tree, ok)
+        n_promoted = (tree.ancestors[last].float() @ (use[parent] & outright).float()).long()
+        return emit(tree, last, residual_draw(tree, probs, last, sampler), n_promoted)
 
 
 @adaptivespec.hookimpl

@@ -144,8 +144,23 @@ class ConfigContender:
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
 
-    def generate_ids(self, ids: list[int], *, max_new_tokens: int, on_step=None):
-        return self.engine.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step)
+    def generate_ids(self, ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None):
+        return self.engine.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step, seed=seed)
+
+    def seed_for(self, index: int) -> int | None:
+        """Sampling seed of prompt ``index`` (``generation.seed + index``); None when greedy."""
+        return sampling_seed(self.engine.config, index)
+
+
+def sampling_seed(config: Config, index: int) -> int | None:
+    """The seed prompt ``index`` of a run samples with: ``generation.seed + index`` (None: greedy)."""
+    return None if config.generation.temperature == 0 else config.generation.seed + index
+
+
+def sampling_of(config: Config) -> dict[str, Any]:
+    """The sampling settings of ``config`` (``temperature`` 0: greedy), as recorded in results."""
+    g = config.generation
+    return {"temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p, "min_p": g.min_p, "seed": g.seed}
 
     def forget(self) -> None:
         """Drop what candidate sources remembered (the warm-up's output never drafts a prompt)."""
@@ -170,12 +185,14 @@ def run_one(contender, problem: Problem, index: int, max_new_tokens: int) -> dic
     """Generate and grade one (contender, prompt) pair; the record appended to ``records.jsonl``."""
     accepted: list[int] = []
     ids = contender.encode(problem.prompt)
-    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: accepted.append(r.accepted))
+    seed = contender.seed_for(index)  # record i samples with generation.seed + i
+    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: accepted.append(r.accepted), seed=seed)
     graded = grade(problem, result.text)
     return {
         "config": contender.name,
         "id": problem.id,
         "index": index,
+        **({"seed": seed} if seed is not None else {}),
         **result.stats,
         "correct": graded.correct,
         "extracted": graded.extracted,
@@ -394,11 +411,12 @@ def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, 
     for e in spec.entries:
         rows.append({"name": e.name, "kind": "config", "config": _jsonable(e.config.to_dict()), "source": e.config.source,
                      "lossless": config_lossless(e.config), "autoregressive": e.config.autoregressive,
+                     "sampling": sampling_of(e.config),
                      **({"sweep": e.sweep} if e.sweep is not None else {})})
     first = spec.entries[0].config
     for p in spec.peers:
         rows.append({"name": p, "kind": "peer", "lossless": True, "autoregressive": False,
-                     "config": describe_peer(p, first)})
+                     "sampling": sampling_of(first), "config": describe_peer(p, first)})
     for row in rows:
         row.update(aggregate(by_name[row["name"]]))
         row["complete"] = row["prompts"] == len(problems)
@@ -440,6 +458,7 @@ def run_metadata(spec: BenchSpec, problems: list[Problem]) -> dict[str, Any]:
         "limit": spec.limit,
         "prompts": len(problems),
         "max_new_tokens": spec.max_new_tokens,
+        "sampling": sampling_of(spec.entries[0].config) if spec.entries else None,
         "warmup_tokens": WARMUP_TOKENS,
         "order": "interleaved: for prompt i, every contender in the order rotated by i",
         "machine": machine_info(devices),
@@ -500,6 +519,10 @@ def markdown(results: dict[str, Any], extra_columns: list[str] = ()) -> str:
         "Speedups are ratios of tokens/s (total new tokens / total wall seconds).",
         "",
     ]
+    samp = meta.get("sampling")
+    if samp and samp["temperature"] > 0:
+        lines[1:1] = ["", f"Sampling: temperature {samp['temperature']}, top-k {samp['top_k']}, top-p {samp['top_p']}, "
+                          f"min-p {samp['min_p']}, seed {samp['seed']} + prompt index (lossless = same distribution)."]
     by_ref = meta["command"] == "sweep"  # a sweep's speedups are against its reference
     head = ["config", *extra_columns, "lossless", "tok/s", "speedup vs AR", "speedup vs EAGLE-3",
             *([f"speedup vs {results['reference']}"] if by_ref else []), "accept length", "accuracy", "retention",

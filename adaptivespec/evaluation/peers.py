@@ -4,7 +4,8 @@ A peer is a pseudo-config of ``adaptivespec bench --peers``; it runs on the very
 configs use (same weights, dtype and device, loaded once) and reports the same stats fields:
 
 * ``hf-generate``: ``model.generate`` with greedy decoding (``do_sample=False``): the reference
-  implementation of plain autoregressive decoding.
+  implementation of plain autoregressive decoding. At ``generation.temperature > 0`` both peers
+  sample with the same settings (``do_sample=True``), seeded per prompt like the configs.
 * ``hf-prompt-lookup``: transformers' assisted generation with ``prompt_lookup_num_tokens=10``
   (n-gram drafts copied from the prompt, verified greedily: lossless, no draft model).
 
@@ -50,8 +51,18 @@ def describe_peer(name: str, config: Config) -> dict[str, Any]:
         "peer": name,
         "model": {"target": config.model.target},
         "runtime": {"device": config.runtime.device, "dtype": config.runtime.dtype},
-        "generate": {"do_sample": False, **PEERS[name]},
+        "generate": {**sampling_kwargs(config), **PEERS[name]},
     }
+
+
+def sampling_kwargs(config: Config) -> dict[str, Any]:
+    """``generate`` keyword arguments for the config's sampling settings (greedy at temperature 0).
+
+    ``top_k=0`` switches off ``generate``'s own top-k default, as ``generation.top_k: null`` does."""
+    g = config.generation
+    if g.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": g.temperature, "top_k": g.top_k or 0, "top_p": g.top_p, "min_p": g.min_p}
 
 
 class HfPeer:
@@ -81,8 +92,15 @@ class HfPeer:
     def encode(self, text: str) -> list[int]:
         return self._encode(self.tokenizer, text, chat=self.config.generation.chat_template)
 
-    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step: Callable | None = None):
-        """Greedy ``model.generate``; returns an :class:`adaptivespec.decode.GenerationResult`."""
+    def seed_for(self, index: int) -> int | None:
+        from adaptivespec.evaluation.bench import sampling_seed
+
+        return sampling_seed(self.config, index)
+
+    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step: Callable | None = None,
+                     seed: int | None = None):
+        """``model.generate`` (greedy, or sampled with the config's settings and torch's global RNG
+        seeded with ``seed`` inside ``fork_rng``); returns an :class:`adaptivespec.decode.GenerationResult`."""
         from transformers import GenerationConfig
 
         from adaptivespec.decode import GenerationResult
@@ -90,7 +108,7 @@ class HfPeer:
         device = next(self.target.parameters()).device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
         gen = GenerationConfig(
-            do_sample=False,
+            **sampling_kwargs(self.config),
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos,
             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id,
@@ -99,8 +117,11 @@ class HfPeer:
         calls = [0]
         handle = self.target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
         try:
-            with warnings.catch_warnings(), torch.inference_mode():
+            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            with warnings.catch_warnings(), torch.inference_mode(), rng:
                 warnings.simplefilter("ignore")
+                if gen.do_sample:
+                    torch.manual_seed(self.config.generation.seed if seed is None else seed)
                 t0 = time.perf_counter()
                 out = self.target.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
                 wall = time.perf_counter() - t0

@@ -13,7 +13,9 @@ they registered with ``HookRegistry``. :func:`register` is ours; it does nothing
    shape, and ask a :class:`~adaptivespec.sglang.policy_bridge.TripletController` for each step's
    shape;
 3. wraps ``eagle_sample`` so that, inside our worker's verify and when the verifier is not
-   ``strict``, the adaptivespec verifier decides what is accepted (greedy batches only);
+   ``strict``, the adaptivespec verifier decides what is accepted (greedy batches only: sampled
+   batches keep SGLang's own lossless tree sampling, and ``serve`` refuses a lossy verifier in a
+   config at ``generation.temperature > 0``);
 4. wraps ``get_alloc_len_per_decode`` so every decode reserves KV for the largest bank shape: the
    scheduler reserves before the policy has chosen.
 

@@ -60,6 +60,36 @@ def _model_paths(config_path: str | Path, target: str | None, drafter: str | Non
     return target, drafter
 
 
+def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> list[str]:
+    """SGLang flags for the config's sampling settings, or a refusal where SGLang cannot serve them.
+
+    SGLang samples with its own tree-sampling verify kernel (lossless, the rule of the ``strict``
+    verifier) and the plugin keeps the policy adapting. A lossy verifier (``margin``) has no form
+    in that kernel: at ``generation.temperature > 0`` the combination is refused rather than
+    served as something else. With ``strict``, the settings become the server's default sampling
+    parameters (``--preferred-sampling-params``; each request may still set its own), unless the
+    extra arguments already pass that flag.
+    """
+    import json
+
+    from adaptivespec.config import load_config
+
+    config = load_config(config_path)
+    g = config.generation
+    if g.temperature == 0:
+        return []
+    if config.verifier.name != "strict":
+        raise AdaptiveSpecError(
+            f"{config_path}: verifier {config.verifier.name!r} at generation.temperature {g.temperature}: SGLang samples "
+            "with its own lossless tree-sampling kernel, where this rule has no form; serve it at temperature 0 or "
+            "with verifier strict"
+        )
+    if "--preferred-sampling-params" in extra_args:
+        return []
+    params = {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k or -1, "min_p": g.min_p or 0.0}
+    return ["--preferred-sampling-params", json.dumps(params)]
+
+
 def build_command(
     config_path: str | Path,
     target: str | None = None,
@@ -79,6 +109,7 @@ def build_command(
     """
     _, top = bank_shapes(config_path)
     target, drafter = _model_paths(config_path, target, drafter)
+    sampling = sampling_args(config_path, extra_args)
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", target,
@@ -92,7 +123,7 @@ def build_command(
     ]
     if not overlap:
         argv.append("--disable-overlap-schedule")
-    return argv + list(extra_args)
+    return argv + sampling + list(extra_args)
 
 
 def build_env(config_path: str | Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
