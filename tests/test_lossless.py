@@ -30,6 +30,9 @@ POLICIES["dcs"] = ["policy.name=dcs"]  # shapes change every step between (3,4,4
 # the policy exactly as configs/adaptivespec-dynamic.yaml ships it (CPU-tuned ends, depth-1 trees included)
 _SHIPPED = yaml.safe_load((Path(__file__).parents[1] / "configs" / "adaptivespec-dynamic.yaml").read_text())["policy"]
 POLICIES["dcs-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _SHIPPED.items()]
+# the cost-aware policy as configs/cost-aware.yaml ships it: levels and verify budget vary within a step
+_COST = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cost-aware.yaml").read_text())["policy"]
+POLICIES["cost-aware-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _COST.items()]
 
 
 class OracleDrafter(Eagle3Drafter):

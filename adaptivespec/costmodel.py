@@ -1,0 +1,285 @@
+"""A measured step-cost model, calibrated path values, and the value/cost ranking of candidates.
+
+Three pieces, used by the ``cost_aware`` tree policy and reusable on any candidate set:
+
+* :class:`CostModel`: the wall time of one speculative step as a linear function of what the step
+  does, fitted by least squares to measured steps (``adaptivespec calibrate``) and stored as a
+  small JSON *profile*::
+
+      t(step) = fixed + per_context * P + per_draft_level * L + per_draft_node * E + per_verified_token * n
+
+  (``P`` committed positions, ``L`` drafter forwards, ``E`` nodes run through the drafter, ``n``
+  tokens verified, the root included).
+* :class:`CalibrationMap`: an online map from a drafted node's (depth, cumulative draft
+  log-probability) to the probability that strict verification accepts it, updated from every
+  verify result (which nodes were verified, which were on the accepted path), starting from a
+  prior measured on training prompts. Its values are monotone: non-increasing in depth and
+  non-decreasing in log-probability, so a child never scores above its parent and every prefix of
+  a value ranking is closed under ancestors. It keeps a reliability table of its own predictions.
+* :func:`rank_by_value`: which candidates to verify, given their calibrated values (expected
+  accepted tokens) and the cost model: the prefix of the value ranking that maximises expected
+  tokens per millisecond. It takes any candidate set (draft-tree nodes, retrieved continuations).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+"""Shipped profiles: the cost model and calibration prior of the embedded model on CPU."""
+DEFAULT_COST_PROFILE = "cpu-smollm2-135m-bf16.json"
+DEFAULT_PRIOR = "calibration-smollm2-135m-embedded.json"
+
+COST_TERMS = ("fixed", "per_context", "per_draft_level", "per_draft_node", "per_verified_token")
+
+LOGP_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5, -7.0)
+"""Bin edges of the cumulative draft log-probability (bin 0 is the most likely, > -0.05)."""
+RELIABILITY_BINS = 10
+
+
+def resolve_profile(name: str | None, default: str, key: str) -> Path:
+    """A profile path: ``name`` as a file, or a file of the shipped profiles; ``default`` if None."""
+    name = name or default
+    for p in (Path(name), PROFILE_DIR / name):
+        if p.is_file():
+            return p
+    shipped = ", ".join(sorted(q.name for q in PROFILE_DIR.glob("*.json")))
+    prefix = f"{key}: " if key else ""
+    raise ValueError(f"{prefix}file {name!r} not found (a path, or one of the shipped profiles: {shipped})")
+
+
+def machine_info() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# -- cost model ------------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class CostModel:
+    """Step time in milliseconds, linear in what the step does (see the module docstring)."""
+
+    fixed: float
+    per_context: float = 0.0
+    per_draft_level: float = 0.0
+    per_draft_node: float = 0.0
+    per_verified_token: float = 0.0
+    context_ref: float = 256.0
+    """Typical committed context (positions) when a caller does not know ``P``."""
+    meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    """Everything else the profile file holds (machine, model, fit error, command)."""
+
+    def step_ms(self, verified: float, levels: float = 0, nodes: float = 0, context: float | None = None) -> float:
+        P = self.context_ref if context is None else context
+        return (self.fixed + self.per_context * P + self.per_draft_level * levels
+                + self.per_draft_node * nodes + self.per_verified_token * verified)
+
+    def base_ms(self, context: float | None = None) -> float:
+        """Fixed part of a step: nothing drafted below depth 1, nothing verified."""
+        return self.step_ms(0, 0, 0, context)
+
+    @classmethod
+    def fit(cls, rows: Sequence[Sequence[float]], **meta: Any) -> "CostModel":
+        """Least squares over rows ``(P, L, E, n, step_ms)``; terms no row varies are fixed at 0.
+
+        Adds ``fit`` (mean and max relative error, rows) to ``meta``.
+        """
+        if len(rows) < 2:
+            raise AdaptiveSpecError(f"cost model: need at least 2 timed steps to fit, got {len(rows)}")
+        data = torch.tensor([list(map(float, r)) for r in rows], dtype=torch.float64)
+        X, y = data[:, :4], data[:, 4]
+        varies = [j for j in range(4) if float(X[:, j].max() - X[:, j].min()) > 0]
+        A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
+        sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+        coef = [0.0] * 5
+        coef[0] = float(sol[0])
+        for i, j in enumerate(varies):
+            coef[1 + j] = float(sol[1 + i])
+        rel = ((A @ sol - y) / y).abs()
+        meta = dict(meta)
+        meta["fit"] = {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()), "steps": len(rows)}
+        return cls(**dict(zip(COST_TERMS, coef)), context_ref=float(X[:, 0].median()), meta=meta)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 1, **self.meta, "coefficients_ms": {k: getattr(self, k) for k in COST_TERMS},
+                "context_ref": self.context_ref}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            coef = data["coefficients_ms"]
+            values = {k: float(coef.get(k, 0.0)) for k in COST_TERMS}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: not a cost profile (expected JSON with coefficients_ms: {exc})") from None
+        if not all(math.isfinite(v) for v in values.values()) or values["fixed"] <= 0:
+            raise ValueError(f"{path}: cost profile coefficients must be finite and fixed > 0, got {values}")
+        meta = {k: v for k, v in data.items() if k not in ("coefficients_ms", "context_ref", "format")}
+        return cls(**values, context_ref=float(data.get("context_ref", 256.0)), meta=meta)
+
+
+# -- calibration map -------------------------------------------------------------------------------
+class CalibrationMap:
+    """P(accepted | depth, cumulative draft log-prob bin), online, from a prior.
+
+    Cells are ``[max_depth + 1, bins]`` (row 0, the root, unused; deeper nodes use the last row).
+    ``value = (acc + w * prior) / (n + w)`` per cell, where ``acc`` / ``n`` are decayed counts of
+    accepted / verified nodes and ``w`` the prior's weight in pseudo-observations; then made
+    monotone (cumulative max towards likelier bins, cumulative min down the depths).
+    """
+
+    def __init__(self, prior: torch.Tensor, *, prior_weight: float = 8.0, decay: float = 1.0,
+                 edges: Sequence[float] = LOGP_EDGES) -> None:
+        self.edges = torch.tensor(sorted(-e for e in edges), dtype=torch.float32)  # ascending -logp
+        self.bins = len(edges) + 1
+        if prior.dim() != 2 or prior.shape[1] != self.bins or prior.shape[0] < 2:
+            raise ValueError(f"calibration prior: expected [depths + 1, {self.bins}] values, got {list(prior.shape)}")
+        self.prior = prior.to(torch.float64).clamp(0.0, 1.0)
+        self.max_depth = prior.shape[0] - 1
+        self.prior_weight, self.decay = float(prior_weight), float(decay)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every observation (back to the prior)."""
+        shape = self.prior.shape
+        self.acc = torch.zeros(shape, dtype=torch.float64)
+        self.n = torch.zeros(shape, dtype=torch.float64)
+        self.rel = torch.zeros(3, RELIABILITY_BINS, dtype=torch.float64)  # count, sum predicted, sum accepted
+        self._table: torch.Tensor | None = None
+
+    def cells(self, depth: torch.Tensor | int, logp: torch.Tensor) -> torch.Tensor:
+        """Flat cell index of nodes at ``depth`` (a tensor or one int) with cumulative log-prob ``logp``."""
+        b = torch.bucketize(-logp.float(), self.edges)
+        d = depth.clamp(1, self.max_depth) if isinstance(depth, torch.Tensor) else min(max(depth, 1), self.max_depth)
+        return d * self.bins + b
+
+    def table(self) -> torch.Tensor:
+        """[depths + 1, bins] float32 monotone values (cached until the next update)."""
+        if self._table is None:
+            w = self.prior_weight
+            v = (self.acc + w * self.prior) / (self.n + w)
+            v = torch.flip(torch.cummax(torch.flip(v, [1]), dim=1).values, [1])  # likelier bin >= less likely
+            v[1:] = torch.cummin(v[1:], dim=0).values  # deeper <= shallower
+            self._table = v.float()
+        return self._table
+
+    def values(self, depth: torch.Tensor | int, logp: torch.Tensor) -> torch.Tensor:
+        return self.table().view(-1)[self.cells(depth, logp)]
+
+    def update(self, depth: torch.Tensor, logp: torch.Tensor, accepted: torch.Tensor) -> None:
+        """One verify result: ``depth``/``logp`` of every verified drafted node, ``accepted`` [bool]
+        whether it was on the accepted path. Vectorised, no host sync."""
+        idx = self.cells(depth, logp)
+        pred = self.table().view(-1)[idx].double()
+        hit = accepted.double()
+        if self.decay < 1.0:
+            self.acc.mul_(self.decay), self.n.mul_(self.decay)
+        self.n.view(-1).index_add_(0, idx, torch.ones_like(hit))
+        self.acc.view(-1).index_add_(0, idx, hit)
+        rb = (pred * RELIABILITY_BINS).long().clamp(0, RELIABILITY_BINS - 1)
+        self.rel[0].index_add_(0, rb, torch.ones_like(hit))
+        self.rel[1].index_add_(0, rb, pred)
+        self.rel[2].index_add_(0, rb, hit)
+        self._table = None
+
+    def reliability(self) -> dict[str, Any]:
+        """Predicted vs observed acceptance per bin of predicted value, and the expected
+        calibration error (count-weighted mean |predicted - observed|), over every update."""
+        n, p, a = self.rel
+        seen = n > 0
+        total = float(n.sum())
+        ece = float(((p - a).abs()[seen]).sum() / total) if total else None
+        return {
+            "bins": [[i / RELIABILITY_BINS, (i + 1) / RELIABILITY_BINS] for i in range(RELIABILITY_BINS)],
+            "count": [int(c) for c in n.tolist()],
+            "predicted": [float(p[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
+            "observed": [float(a[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
+            "ece": ece,
+            "nodes": int(total),
+        }
+
+    # -- prior files -------------------------------------------------------------------------------
+    @staticmethod
+    def prior_from_counts(acc: torch.Tensor, n: torch.Tensor, fallback: float = 0.0) -> torch.Tensor:
+        return torch.where(n > 0, acc / n.clamp(min=1), torch.full_like(acc, fallback))
+
+    @classmethod
+    def load(cls, path: str | Path, **kw: Any) -> "CalibrationMap":
+        try:
+            data = json.loads(Path(path).read_text())
+            prior = torch.tensor(data["values"], dtype=torch.float64)
+            edges = tuple(float(e) for e in data["logp_edges"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a calibration prior (expected JSON with values, logp_edges: {exc})") from None
+        return cls(prior, edges=edges, **kw)
+
+
+def save_prior(path: str | Path, acc: torch.Tensor, n: torch.Tensor, **meta: Any) -> None:
+    """Write a calibration prior from accepted / verified counts per (depth, bin) cell."""
+    values = CalibrationMap.prior_from_counts(acc.double(), n.double())
+    doc = {"format": 1, **meta, "logp_edges": list(LOGP_EDGES), "values": [[round(float(x), 5) for x in row] for row in values],
+           "counts": [[int(x) for x in row] for row in n]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc) + "\n")
+
+
+# -- ranking ---------------------------------------------------------------------------------------
+def rank_by_value(
+    values: torch.Tensor,
+    *,
+    base_ms: float,
+    per_token_ms: float,
+    min_keep: int = 0,
+    max_keep: int | None = None,
+    forced: torch.Tensor | None = None,
+    ancestors: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int, float]:
+    """Which candidates to verify: ``(order, k, rate)``; verify ``order[:k]``.
+
+    ``values``: [c] expected accepted tokens of each candidate (calibrated acceptance). The step
+    emits ``1 + sum(values)`` tokens in expectation and costs ``base_ms + per_token_ms * (k + 1)``
+    (the root is verified too), so the best ``k`` maximises that ratio over prefixes of the ranking
+    by value: a candidate is worth verifying while its value exceeds ``per_token_ms`` times the
+    tokens per millisecond already reached (the marginal cost of one more verified token).
+    ``forced`` [c] bool: candidates ranked first whatever their value (the root's best children);
+    ``min_keep <= k <= max_keep``. ``ancestors`` [c, c] bool (optional, for candidate sets whose
+    values are not already monotone along paths): each value is first replaced by the smallest on
+    its path, so every prefix of the ranking is closed under ancestors when candidates are in
+    topological order. One host sync (``k``). ``rate``: expected tokens per ms at ``k``.
+    """
+    c = values.shape[0]
+    cap = c if max_keep is None else max(0, min(max_keep, c))
+    if c == 0 or cap == 0:
+        return torch.zeros(0, dtype=torch.long, device=values.device), 0, 1.0 / (base_ms + per_token_ms)
+    v = values.float()
+    if ancestors is not None:
+        v = torch.where(ancestors, v.unsqueeze(0), torch.full_like(v, float("inf")).unsqueeze(0)).min(-1).values
+    key = v if forced is None else v + 2.0 * forced.float()  # values are <= 1: forced ones sort first
+    order = torch.sort(key, descending=True, stable=True).indices
+    gain = 1.0 + torch.cumsum(v[order], 0)  # expected tokens with the first j + 1 candidates
+    cost = base_ms + per_token_ms * torch.arange(2, c + 2, dtype=torch.float32, device=v.device)
+    rate = gain / cost
+    lo = min(max(min_keep, 0), cap)
+    if lo > 0:
+        rate[: lo - 1] = -1.0
+    rate[cap:] = -1.0
+    best = rate.max(0)
+    r, j = torch.stack([best.values, best.indices.float()]).tolist()  # the one host sync
+    if lo == 0 and r <= 1.0 / (base_ms + per_token_ms):  # verifying nothing drafted is better
+        return order, 0, 1.0 / (base_ms + per_token_ms)
+    return order, int(j) + 1, r
