@@ -82,7 +82,7 @@ def step_rows(prompt_len: int, records) -> list[tuple[int, int, int, int, float]
 
 
 def run_calibrate(args) -> int:
-    import torch
+    import numpy as np
     from tqdm import tqdm
 
     from adaptivespec.config import load_config
@@ -106,15 +106,16 @@ def run_calibrate(args) -> int:
     engine = Engine(config)
     engine.runtime.prepare([*shapes, *engine.policy.shapes()], capacity=2 * args.max_new_tokens + 1024)
     depth = max(s.nsteps for s in shapes)
-    cells = torch.zeros(2, (depth + 1) * (len(LOGP_EDGES) + 1), dtype=torch.float64)  # accepted, verified
-    counter = CalibrationMap(torch.zeros(depth + 1, len(LOGP_EDGES) + 1))
+    size = (depth + 1) * (len(LOGP_EDGES) + 1)
+    cells = np.zeros((2, size))  # accepted, verified
+    counter = CalibrationMap(np.zeros((depth + 1, len(LOGP_EDGES) + 1)))
 
     def count(tree, result):
-        onpath = torch.zeros(tree.size, dtype=torch.bool)
-        onpath[result.path] = True
-        idx = counter.cells(tree.depth[1:].cpu(), tree.draft_logp[1:].cpu())
-        cells[0].index_add_(0, idx, onpath[1:].double())
-        cells[1].index_add_(0, idx, torch.ones(idx.shape[0], dtype=torch.float64))
+        onpath = np.zeros(tree.size)
+        onpath[result.path] = 1.0
+        idx = counter.cells(tree.depth[1:], tree.draft_logp[1:])
+        cells[0] += np.bincount(idx, weights=onpath[1:], minlength=size)
+        cells[1] += np.bincount(idx, minlength=size)
 
     rows, per_shape = [], {s: [] for s in shapes}
     engine.generate(prompts[0], max_new_tokens=8)  # warm-up
@@ -146,7 +147,7 @@ def run_calibrate(args) -> int:
           f"{c.per_draft_node:.4f} * drafted nodes + {c.per_verified_token:.3f} * verified tokens; mean |rel. error| "
           f"{100 * fit['mean_abs_rel_error']:.1f}% over {fit['steps']} steps; wrote {args.out}")
     if args.prior_out:
-        save_prior(args.prior_out, cells[0].view(depth + 1, -1), cells[1].view(depth + 1, -1),
+        save_prior(args.prior_out, cells[0].reshape(depth + 1, -1), cells[1].reshape(depth + 1, -1),
                    model={"target": config.model.target, "drafter": config.model.drafter}, dtype=config.runtime.dtype,
                    data=args.data or "built-in prompts", prompts=len(prompts), command=command,
                    created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

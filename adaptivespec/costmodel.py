@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from adaptivespec.errors import AdaptiveSpecError
@@ -134,6 +135,13 @@ class CostModel:
 
 
 # -- calibration map -------------------------------------------------------------------------------
+def _np(x: Any) -> np.ndarray:
+    """A host numpy view of a tensor (a copy from an accelerator), or ``x`` as an array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
 class CalibrationMap:
     """P(accepted | depth, cumulative draft log-prob bin), online, from a prior.
 
@@ -141,72 +149,79 @@ class CalibrationMap:
     ``value = (acc + w * prior) / (n + w)`` per cell, where ``acc`` / ``n`` are decayed counts of
     accepted / verified nodes and ``w`` the prior's weight in pseudo-observations; then made
     monotone (cumulative max towards likelier bins, cumulative min down the depths).
+
+    The map is a few dozen cells, so it lives on the host as numpy arrays: each call costs
+    microseconds where a chain of small device ops would cost tens of them. Inputs may be tensors
+    (copied to the host: one transfer per call on an accelerator) or arrays.
     """
 
-    def __init__(self, prior: torch.Tensor, *, prior_weight: float = 8.0, decay: float = 1.0,
+    def __init__(self, prior: Any, *, prior_weight: float = 8.0, decay: float = 1.0,
                  edges: Sequence[float] = LOGP_EDGES) -> None:
-        self.edges = torch.tensor(sorted(-e for e in edges), dtype=torch.float32)  # ascending -logp
+        self.edges = np.array(sorted(-e for e in edges), dtype=np.float64)  # ascending -logp
         self.bins = len(edges) + 1
-        if prior.dim() != 2 or prior.shape[1] != self.bins or prior.shape[0] < 2:
+        prior = _np(prior).astype(np.float64)
+        if prior.ndim != 2 or prior.shape[1] != self.bins or prior.shape[0] < 2:
             raise ValueError(f"calibration prior: expected [depths + 1, {self.bins}] values, got {list(prior.shape)}")
-        self.prior = prior.to(torch.float64).clamp(0.0, 1.0)
+        self.prior = prior.clip(0.0, 1.0)
         self.max_depth = prior.shape[0] - 1
         self.prior_weight, self.decay = float(prior_weight), float(decay)
         self.reset()
 
     def reset(self) -> None:
         """Forget every observation (back to the prior)."""
-        shape = self.prior.shape
-        self.acc = torch.zeros(shape, dtype=torch.float64)
-        self.n = torch.zeros(shape, dtype=torch.float64)
-        self.rel = torch.zeros(3, RELIABILITY_BINS, dtype=torch.float64)  # count, sum predicted, sum accepted
-        self._table: torch.Tensor | None = None
+        self.acc = np.zeros(self.prior.shape)
+        self.n = np.zeros(self.prior.shape)
+        self.rel = np.zeros((3, RELIABILITY_BINS))  # count, sum predicted, sum accepted
+        self._table: np.ndarray | None = None
 
-    def cells(self, depth: torch.Tensor | int, logp: torch.Tensor) -> torch.Tensor:
-        """Flat cell index of nodes at ``depth`` (a tensor or one int) with cumulative log-prob ``logp``."""
-        b = torch.bucketize(-logp.float(), self.edges)
-        d = depth.clamp(1, self.max_depth) if isinstance(depth, torch.Tensor) else min(max(depth, 1), self.max_depth)
+    def cells(self, depth: Any, logp: Any) -> np.ndarray:
+        """Flat cell index of nodes at ``depth`` (array-like or one int) with cumulative log-prob ``logp``."""
+        b = self.edges.searchsorted(-_np(logp).astype(np.float64), side="left")
+        if isinstance(depth, int):
+            return min(max(depth, 1), self.max_depth) * self.bins + b
+        d = np.minimum(np.maximum(_np(depth), 1), self.max_depth)
         return d * self.bins + b
 
-    def table(self) -> torch.Tensor:
-        """[depths + 1, bins] float32 monotone values (cached until the next update)."""
+    def table(self) -> np.ndarray:
+        """[depths + 1, bins] monotone values (cached until the next update)."""
         if self._table is None:
             w = self.prior_weight
             v = (self.acc + w * self.prior) / (self.n + w)
-            v = torch.flip(torch.cummax(torch.flip(v, [1]), dim=1).values, [1])  # likelier bin >= less likely
-            v[1:] = torch.cummin(v[1:], dim=0).values  # deeper <= shallower
-            self._table = v.float()
+            v = np.maximum.accumulate(v[:, ::-1], axis=1)[:, ::-1]  # likelier bin >= less likely
+            v[1:] = np.minimum.accumulate(v[1:], axis=0)  # deeper <= shallower
+            self._table = np.ascontiguousarray(v)
         return self._table
 
-    def values(self, depth: torch.Tensor | int, logp: torch.Tensor) -> torch.Tensor:
-        return self.table().view(-1)[self.cells(depth, logp)]
+    def values(self, depth: Any, logp: Any) -> np.ndarray:
+        return self.table().ravel()[self.cells(depth, logp)]
 
-    def update(self, depth: torch.Tensor, logp: torch.Tensor, accepted: torch.Tensor) -> None:
+    def update(self, depth: Any, logp: Any, accepted: Any) -> None:
         """One verify result: ``depth``/``logp`` of every verified drafted node, ``accepted`` [bool]
-        whether it was on the accepted path. Vectorised, no host sync."""
+        whether it was on the accepted path."""
         idx = self.cells(depth, logp)
-        pred = self.table().view(-1)[idx].double()
-        hit = accepted.double()
+        pred = self.table().ravel()[idx]
+        hit = _np(accepted).astype(np.float64)
         if self.decay < 1.0:
-            self.acc.mul_(self.decay), self.n.mul_(self.decay)
-        self.n.view(-1).index_add_(0, idx, torch.ones_like(hit))
-        self.acc.view(-1).index_add_(0, idx, hit)
-        rb = (pred * RELIABILITY_BINS).long().clamp(0, RELIABILITY_BINS - 1)
-        self.rel[0].index_add_(0, rb, torch.ones_like(hit))
-        self.rel[1].index_add_(0, rb, pred)
-        self.rel[2].index_add_(0, rb, hit)
+            self.acc *= self.decay
+            self.n *= self.decay
+        size = self.n.size
+        self.n += np.bincount(idx, minlength=size).reshape(self.n.shape)
+        self.acc += np.bincount(idx, weights=hit, minlength=size).reshape(self.n.shape)
+        rb = np.minimum((pred * RELIABILITY_BINS).astype(np.int64), RELIABILITY_BINS - 1)
+        self.rel[0] += np.bincount(rb, minlength=RELIABILITY_BINS)
+        self.rel[1] += np.bincount(rb, weights=pred, minlength=RELIABILITY_BINS)
+        self.rel[2] += np.bincount(rb, weights=hit, minlength=RELIABILITY_BINS)
         self._table = None
 
     def reliability(self) -> dict[str, Any]:
         """Predicted vs observed acceptance per bin of predicted value, and the expected
         calibration error (count-weighted mean |predicted - observed|), over every update."""
         n, p, a = self.rel
-        seen = n > 0
         total = float(n.sum())
-        ece = float(((p - a).abs()[seen]).sum() / total) if total else None
+        ece = float(np.abs(p - a).sum() / total) if total else None
         return {
             "bins": [[i / RELIABILITY_BINS, (i + 1) / RELIABILITY_BINS] for i in range(RELIABILITY_BINS)],
-            "count": [int(c) for c in n.tolist()],
+            "count": [int(c) for c in n],
             "predicted": [float(p[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
             "observed": [float(a[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
             "ece": ece,
@@ -215,23 +230,25 @@ class CalibrationMap:
 
     # -- prior files -------------------------------------------------------------------------------
     @staticmethod
-    def prior_from_counts(acc: torch.Tensor, n: torch.Tensor, fallback: float = 0.0) -> torch.Tensor:
-        return torch.where(n > 0, acc / n.clamp(min=1), torch.full_like(acc, fallback))
+    def prior_from_counts(acc: Any, n: Any, fallback: float = 0.0) -> np.ndarray:
+        acc, n = _np(acc).astype(np.float64), _np(n).astype(np.float64)
+        return np.where(n > 0, acc / np.maximum(n, 1e-12), fallback)
 
     @classmethod
     def load(cls, path: str | Path, **kw: Any) -> "CalibrationMap":
         try:
             data = json.loads(Path(path).read_text())
-            prior = torch.tensor(data["values"], dtype=torch.float64)
+            prior = np.array(data["values"], dtype=np.float64)
             edges = tuple(float(e) for e in data["logp_edges"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}: not a calibration prior (expected JSON with values, logp_edges: {exc})") from None
         return cls(prior, edges=edges, **kw)
 
 
-def save_prior(path: str | Path, acc: torch.Tensor, n: torch.Tensor, **meta: Any) -> None:
+def save_prior(path: str | Path, acc: Any, n: Any, **meta: Any) -> None:
     """Write a calibration prior from accepted / verified counts per (depth, bin) cell."""
-    values = CalibrationMap.prior_from_counts(acc.double(), n.double())
+    values = CalibrationMap.prior_from_counts(acc, n)
+    n = _np(n)
     doc = {"format": 1, **meta, "logp_edges": list(LOGP_EDGES), "values": [[round(float(x), 5) for x in row] for row in values],
            "counts": [[int(x) for x in row] for row in n]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -240,15 +257,15 @@ def save_prior(path: str | Path, acc: torch.Tensor, n: torch.Tensor, **meta: Any
 
 # -- ranking ---------------------------------------------------------------------------------------
 def rank_by_value(
-    values: torch.Tensor,
+    values: Any,
     *,
     base_ms: float,
     per_token_ms: float,
     min_keep: int = 0,
     max_keep: int | None = None,
-    forced: torch.Tensor | None = None,
-    ancestors: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int, float]:
+    forced: Any = None,
+    ancestors: Any = None,
+) -> tuple[np.ndarray, int, float]:
     """Which candidates to verify: ``(order, k, rate)``; verify ``order[:k]``.
 
     ``values``: [c] expected accepted tokens of each candidate (calibrated acceptance). The step
@@ -260,26 +277,26 @@ def rank_by_value(
     ``min_keep <= k <= max_keep``. ``ancestors`` [c, c] bool (optional, for candidate sets whose
     values are not already monotone along paths): each value is first replaced by the smallest on
     its path, so every prefix of the ranking is closed under ancestors when candidates are in
-    topological order. One host sync (``k``). ``rate``: expected tokens per ms at ``k``.
+    topological order (ties keep candidate order). ``rate``: expected tokens per ms at ``k``.
+    Works on host arrays (tensors are copied over: one transfer); ``order`` is a numpy array.
     """
-    c = values.shape[0]
+    v = _np(values).astype(np.float64)
+    c = v.shape[0]
     cap = c if max_keep is None else max(0, min(max_keep, c))
+    alone = 1.0 / (base_ms + per_token_ms)
     if c == 0 or cap == 0:
-        return torch.zeros(0, dtype=torch.long, device=values.device), 0, 1.0 / (base_ms + per_token_ms)
-    v = values.float()
+        return np.zeros(0, dtype=np.int64), 0, alone
     if ancestors is not None:
-        v = torch.where(ancestors, v.unsqueeze(0), torch.full_like(v, float("inf")).unsqueeze(0)).min(-1).values
-    key = v if forced is None else v + 2.0 * forced.float()  # values are <= 1: forced ones sort first
-    order = torch.sort(key, descending=True, stable=True).indices
-    gain = 1.0 + torch.cumsum(v[order], 0)  # expected tokens with the first j + 1 candidates
-    cost = base_ms + per_token_ms * torch.arange(2, c + 2, dtype=torch.float32, device=v.device)
-    rate = gain / cost
+        v = np.where(_np(ancestors), v[None, :], np.inf).min(-1)
+    key = v if forced is None else v + 2.0 * _np(forced)  # values are <= 1: forced ones sort first
+    order = np.argsort(-key, kind="stable")
+    gain = 1.0 + np.cumsum(v[order])  # expected tokens with the first j + 1 candidates
+    rate = gain / (base_ms + per_token_ms * np.arange(2, c + 2))
     lo = min(max(min_keep, 0), cap)
-    if lo > 0:
+    if lo > 1:
         rate[: lo - 1] = -1.0
     rate[cap:] = -1.0
-    best = rate.max(0)
-    r, j = torch.stack([best.values, best.indices.float()]).tolist()  # the one host sync
-    if lo == 0 and r <= 1.0 / (base_ms + per_token_ms):  # verifying nothing drafted is better
-        return order, 0, 1.0 / (base_ms + per_token_ms)
-    return order, int(j) + 1, r
+    j = int(rate.argmax())
+    if lo == 0 and rate[j] <= alone:  # verifying nothing drafted is better
+        return order, 0, alone
+    return order, j + 1, float(rate[j])

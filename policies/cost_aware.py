@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 import adaptivespec
@@ -123,6 +124,9 @@ class CostAwarePolicy(TreePolicy):
 
     name = "cost_aware"
     Params = CostAwareParams
+    eagle_beam = True
+    """Every level's beam is EAGLE's top-k (drafting may stop early, a subset is verified): its trees
+    are sub-trees of EAGLE's full tree, so ``scripts/shape_oracle.py`` can replay it on those."""
 
     def __init__(self, params: CostAwareParams | None = None) -> None:
         super().__init__(params)
@@ -135,8 +139,8 @@ class CostAwarePolicy(TreePolicy):
         self._bucket_shapes = {b: TreeShape(p.max_depth, p.topk, b) for b in self.buckets}
         D = self.calib.max_depth + 1
         # continuation: accepted nodes at depth d - 1 with verified children, and those whose path went on
-        self._cont_n = torch.full((D + 1,), 4.0, dtype=torch.float64)
-        self._cont_a = torch.full((D + 1,), 2.0, dtype=torch.float64)
+        self._cont_n = np.full(D + 1, 4.0)
+        self._cont_a = np.full(D + 1, 2.0)
         self._steps = 0
         self.reset()
 
@@ -151,7 +155,7 @@ class CostAwarePolicy(TreePolicy):
         self._tripped = False
         self._levels: list[int] = []
         self._level_gain: list[float] = []
-        self._values: list[torch.Tensor] = []
+        self._values: list[np.ndarray] = []
         self._stop: str | None = None
         self._budget = 0
         self._rate = 0.0
@@ -175,10 +179,10 @@ class CostAwarePolicy(TreePolicy):
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
-        v = self.calib.values(depth, scores)
+        v = self.calib.values(depth, scores.float())  # host copy of the level's scores: one sync
         self._values.append(v)
-        self._levels.append(int(scores.shape[0]))
-        k = min(shape.topk, scores.shape[0])
+        self._levels.append(v.shape[0])
+        k = min(shape.topk, v.shape[0])
         beam = torch.topk(scores, k, sorted=False).indices
         if depth >= shape.nsteps:
             self._stop = "max_depth"
@@ -188,11 +192,13 @@ class CostAwarePolicy(TreePolicy):
             return None, beam
         c = self.cost
         levels, nodes = depth - 1, (depth - 1) * shape.topk  # drafter forwards and nodes run so far
-        pool = torch.cat(self._values)
+        pool = np.concatenate(self._values) if depth > 1 else v
         _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=c.per_verified_token,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
-        cont = float(self._cont_a[depth + 1] / self._cont_n[depth + 1]) if depth + 1 < self._cont_n.shape[0] else 0.0
-        gain = float(v[beam].sum()) * cont  # host sync: one per level
+        cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
+        # the beam is the level's top-k by score; values are monotone in score at one depth
+        top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
+        gain = float(top.sum()) * cont
         price = rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
         self._level_gain.append(gain - price)
         if gain <= price:
@@ -201,7 +207,7 @@ class CostAwarePolicy(TreePolicy):
         return None, beam
 
     def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
-        values = torch.cat(self._values)
+        values = np.concatenate(self._values)
         n1 = self._levels[0]
         cap = self.buckets[-1] - 1
         levels = len(self._levels) - 1
@@ -210,37 +216,41 @@ class CostAwarePolicy(TreePolicy):
             self._forced = False
             order = torch.sort(scores, descending=True, stable=True).indices
             k, rate = min(cap, order.shape[0]), 0.0
-        else:
-            forced = torch.zeros_like(values, dtype=torch.bool)
-            forced[torch.topk(scores[:n1], min(self.params.min_keep, n1)).indices] = True
-            order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes),
-                                           per_token_ms=self.cost.per_verified_token,
-                                           min_keep=self.params.min_keep, max_keep=cap, forced=forced)
-            if self.params.fill_buckets:
-                k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
+            self._budget, self._rate = k + 1, rate
+            self._expected = 1.0 + float(values[order[:k].cpu().numpy()].sum())
+            return order[:k]
+        forced = np.zeros(values.shape[0], dtype=bool)
+        m = min(self.params.min_keep, n1)
+        forced[np.argsort(-values[:n1], kind="stable")[:m]] = True  # depth 1: value order = score order
+        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+                                       min_keep=self.params.min_keep, max_keep=cap, forced=forced)
+        if self.params.fill_buckets:
+            k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
         kept = order[:k]
         self._budget, self._rate = k + 1, rate
-        self._expected = 1.0 + float(values[kept].sum()) if k else 1.0
-        return kept
+        self._expected = 1.0 + float(values[kept].sum())
+        return torch.from_numpy(kept).to(scores.device)
 
     # -- learning ----------------------------------------------------------------------------------
     def observe_tree(self, tree: DraftTree, result: VerifyResult) -> None:
-        """Update the calibration map and the continuation rates from one verify result."""
+        """Update the calibration map and the continuation rates from one verify result (on the host)."""
         n = tree.size
         if n < 2:
             return
-        dev = tree.tokens.device
-        path = torch.tensor(result.path, dtype=torch.long, device=dev)
-        on_path = torch.zeros(n, dtype=torch.bool, device=dev)
+        depth = tree.depth.cpu().numpy()
+        parents = tree.parents.cpu().numpy()
+        path = np.asarray(result.path)
+        on_path = np.zeros(n, dtype=bool)
         on_path[path] = True
-        self.calib.update(tree.depth[1:].cpu(), tree.draft_logp[1:].cpu(), on_path[1:].cpu())
-        children = torch.bincount(tree.parents[1:], minlength=n)[path] > 0  # path nodes with verified children
-        went_on = torch.arange(path.shape[0], device=dev) < path.shape[0] - 1
-        d = (tree.depth[path] + 1).clamp(max=self._cont_n.shape[0] - 1).cpu()
+        self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
+        children = np.bincount(parents[1:], minlength=n)[path] > 0  # path nodes with verified children
+        went_on = np.arange(path.shape[0]) < path.shape[0] - 1
+        d = np.minimum(depth[path] + 1, self._cont_n.shape[0] - 1)
         decay = self.params.decay
-        self._cont_n.mul_(decay), self._cont_a.mul_(decay)
-        self._cont_n.index_add_(0, d, children.cpu().double())
-        self._cont_a.index_add_(0, d, (children & went_on).cpu().double())
+        self._cont_n *= decay
+        self._cont_a *= decay
+        np.add.at(self._cont_n, d, children)
+        np.add.at(self._cont_a, d, children & went_on)
 
     def observe(self, record: StepRecord) -> None:
         if record.shape is None:

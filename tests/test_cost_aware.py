@@ -69,8 +69,8 @@ def test_calibration_map_converges_on_a_synthetic_stream():
         b = torch.randint(0, BINS, (64,), generator=gen)
         hit = torch.rand(64, generator=gen) < truth[d, b]
         cal.update(d, centres[b], hit)
-    got = cal.table()[1:]
-    assert (got - truth[1:]).abs().max() < 0.06
+    got = torch.from_numpy(cal.table()[1:])
+    assert (got - truth[1:].double()).abs().max() < 0.06
     rel = cal.reliability()
     assert rel["nodes"] == 400 * 64 and sum(rel["count"]) == rel["nodes"]
     late = CalibrationMap(torch.full((depths + 1, BINS), 0.5), prior_weight=8.0, decay=1.0)
@@ -80,7 +80,7 @@ def test_calibration_map_converges_on_a_synthetic_stream():
 def test_calibration_values_are_monotone_so_children_never_beat_parents():
     noisy = torch.rand(6, BINS, generator=torch.Generator().manual_seed(2))
     cal = CalibrationMap(noisy, prior_weight=1.0)
-    t = cal.table()
+    t = torch.from_numpy(cal.table())
     assert (t[1:, :-1] >= t[1:, 1:]).all()  # likelier bin >= less likely
     assert (t[1:-1] >= t[2:]).all()  # shallower >= deeper
 
@@ -92,8 +92,8 @@ def test_observe_tree_counts_verified_and_accepted_nodes(tmp_path):
     pol.observe_tree(tree, VerifyResult(path=[0, 1, 3], tokens=[5, 7, 8]))
     cal = pol.calib
     cells = cal.cells(torch.tensor([1, 1, 2]), torch.tensor([-0.02, -1.2, -0.2]))
-    assert cal.n.view(-1)[cells].tolist() == [1.0, 1.0, 1.0]
-    assert cal.acc.view(-1)[cells].tolist() == [1.0, 0.0, 1.0]
+    assert cal.n.ravel()[cells].tolist() == [1.0, 1.0, 1.0]
+    assert cal.acc.ravel()[cells].tolist() == [1.0, 0.0, 1.0]
     assert cal.n.sum() == 3 and cal.acc.sum() == 2
 
 
@@ -254,3 +254,21 @@ def test_plot_trace_draws_the_decisions(tmp_path):
     assert json.loads(lines[-1])["policy_state"]["reliability"]["nodes"] > 0
     plot_trace(trace, tmp_path / "t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- calibrate ----------------------------------------------------------------------------------------
+def test_calibrate_step_rows_track_context_and_skip_the_first_step():
+    from adaptivespec.calibrate import step_rows
+
+    s = TreeShape(4, 2, 6)
+    recs = [StepRecord(step=i, shape=s, tree_size=6, accepted=a, promoted=0, new_tokens=a + 1, draft_ms=1.0,
+                       verify_ms=2.0, other_ms=0.5) for i, a in enumerate([2, 0, 3])]
+    assert step_rows(10, recs) == [(13, 3, 6, 6, 3.5), (14, 3, 6, 6, 3.5)]
+
+
+def test_calibrate_refuses_a_bad_shape_in_one_line(capsys):
+    from adaptivespec.cli import main
+
+    assert main(["calibrate", "--config", "configs/eagle3.yaml", "--shapes", "2,2,40"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--shapes" in err and "2,2,40" in err
