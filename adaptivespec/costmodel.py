@@ -101,15 +101,22 @@ class CostModel:
         data = torch.tensor([list(map(float, r)) for r in rows], dtype=torch.float64)
         X, y = data[:, :4], data[:, 4]
         varies = [j for j in range(4) if float(X[:, j].max() - X[:, j].min()) > 0]
-        A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
-        sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+        dropped = []
+        while True:  # a negative cost per unit is noise (or collinearity): drop that term and refit
+            A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
+            sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+            if not varies or float(sol[1:].min()) >= 0:
+                break
+            worst = int(sol[1:].argmin())
+            dropped.append(COST_TERMS[1 + varies.pop(worst)])
         coef = [0.0] * 5
         coef[0] = float(sol[0])
         for i, j in enumerate(varies):
             coef[1 + j] = float(sol[1 + i])
         rel = ((A @ sol - y) / y).abs()
         meta = dict(meta)
-        meta["fit"] = {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()), "steps": len(rows)}
+        meta["fit"] = {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()), "steps": len(rows),
+                       "dropped_negative_terms": dropped}
         return cls(**dict(zip(COST_TERMS, coef)), context_ref=float(X[:, 0].median()), meta=meta)
 
     def to_json(self) -> dict[str, Any]:
@@ -245,10 +252,14 @@ class CalibrationMap:
         return cls(prior, edges=edges, **kw)
 
 
-def save_prior(path: str | Path, acc: Any, n: Any, **meta: Any) -> None:
-    """Write a calibration prior from accepted / verified counts per (depth, bin) cell."""
-    values = CalibrationMap.prior_from_counts(acc, n)
-    n = _np(n)
+def save_prior(path: str | Path, acc: Any, n: Any, shrink: float = 4.0, **meta: Any) -> None:
+    """Write a calibration prior from accepted / verified counts per (depth, bin) cell.
+
+    Sparse cells are shrunk towards their bin's rate over all depths (``shrink`` pseudo-counts):
+    acceptance depends mostly on the cumulative probability, and deep cells see few nodes."""
+    acc, n = _np(acc).astype(np.float64), _np(n).astype(np.float64)
+    pooled = CalibrationMap.prior_from_counts(acc[1:].sum(0), n[1:].sum(0))
+    values = (acc + shrink * pooled[None, :]) / (n + shrink) if shrink > 0 else CalibrationMap.prior_from_counts(acc, n)
     doc = {"format": 1, **meta, "logp_edges": list(LOGP_EDGES), "values": [[round(float(x), 5) for x in row] for row in values],
            "counts": [[int(x) for x in row] for row in n]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def make_policy(tmp_path, *, level=1.0, node=0.0, token=1.0, fixed=50.0, prior=N
     CostModel(fixed=fixed, per_draft_level=level, per_draft_node=node, per_verified_token=token, context_ref=0).save(cost)
     table = true_table(8) if prior is None else prior
     pr = tmp_path / "prior.json"
-    save_prior(pr, table, torch.ones_like(table))
+    save_prior(pr, table, torch.ones_like(table), shrink=0)
     params = {"profile": str(cost), "prior": str(pr), "prior_weight": 1e6, **params}
     return CostAwarePolicy(structure(CostAwareParams, params, "test", "policy"))
 
@@ -234,7 +234,7 @@ def test_bad_params_name_the_key(tmp_path):
 
 def test_shipped_defaults_load():
     pol = CostAwarePolicy()
-    assert pol.cost.fixed > 0 and pol.cost.meta.get("command", "").startswith("adaptivespec calibrate")
+    assert pol.cost.fixed > 0 and pol.cost.meta["calibrate_command"].startswith("adaptivespec calibrate")
     assert pol.shape in pol.shapes() and max(s.ndt for s in pol.shapes()) == max(pol.params.buckets)
 
 

@@ -82,7 +82,7 @@ def _cost_aware_config(tmp_path, level_ms: float) -> str:
 
     CostModel(fixed=50.0, per_draft_level=level_ms, per_verified_token=0.1, context_ref=0).save(tmp_path / "c.json")
     high = torch.full((4, 12), 0.95)
-    save_prior(tmp_path / "p.json", high, torch.ones_like(high))
+    save_prior(tmp_path / "p.json", high, torch.ones_like(high), shrink=0)
     cfg = tmp_path / "cost.yaml"
     cfg.write_text(f"policy:\n  name: cost_aware\n  max_depth: 3\n  topk: 2\n  buckets: [3, 6]\n"
                    f"  profile: {tmp_path / 'c.json'}\n  prior: {tmp_path / 'p.json'}\n  prior_weight: 1000000.0\n")
