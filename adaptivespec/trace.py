@@ -82,7 +82,7 @@ def _plot_decisions(ax, ax_rel, x, rows, reliability) -> None:
     calibration map's last reliability table (predicted vs observed acceptance)."""
     nan = float("nan")
     st = [r.get("policy_state") or {} for r in rows]
-    ax.step(x, [s.get("levels", nan) for s in st], where="mid", color="tab:blue", label="draft levels expanded")
+    ax.step(x, [s.get("levels", nan) for s in st], where="mid", color="tab:blue", label="tree depth (levels drafted)")
     ax.step(x, [s.get("budget", nan) for s in st], where="mid", color="tab:orange", label="verify budget (ndt)")
     ax.plot(x, [s.get("expected_tokens", nan) for s in st], color="tab:green", lw=0.8, label="expected tokens")
     trips = [i for i, s in zip(x, st) if s.get("breaker_tripped")]

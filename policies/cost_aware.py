@@ -106,7 +106,7 @@ class CostAwareParams:
     """Per-step decay of the online counts (older verify results weigh less)."""
     breaker_steps: int = attrs.field(default=5, validator=_int_at_least(1))
     """Consecutive zero-accept steps that trip the circuit breaker."""
-    trace_every: int = attrs.field(default=32, validator=_int_at_least(1))
+    trace_every: int = attrs.field(default=16, validator=_int_at_least(1))
     """Steps between two reliability tables in the step trace (and at the first step)."""
 
     def __attrs_post_init__(self) -> None:

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     else:
         coef, rows, err = fit_cost([Path(p) for p in args.sweep])
     print(f"cost model: t = {coef[0]*1e3:.1f} + {coef[1]*1e3:.2f}*nsteps + {coef[2]*1e3:.3f}*nsteps*topk + "
-          f"{coef[3]*1e3:.3f}*ndt ms; mean |rel. error| {100*err:.1f}% over {len(rows)} shapes", file=sys.stderr)
+          f"{coef[3]*1e3:.3f}*ndt ms; mean |rel. error| {100*err:.1f}% " + (f"over {len(rows)} shapes" if rows else f"(profile {args.profile})"), file=sys.stderr)
 
     shapes = []
     for k in BRANCHING:
