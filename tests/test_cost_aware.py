@@ -272,3 +272,17 @@ def test_calibrate_refuses_a_bad_shape_in_one_line(capsys):
     assert main(["calibrate", "--config", "configs/eagle3.yaml", "--shapes", "2,2,40"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--shapes" in err and "2,2,40" in err
+
+
+def test_continuation_rate_counts_accepted_nodes_with_verified_children(tmp_path):
+    pol = make_policy(tmp_path, decay=1.0)
+    n0, a0 = pol._cont_n.copy(), pol._cont_a.copy()
+    # root -> 1 -> 3 (chain accepted to depth 2), 2 is a sibling of 1 with no children
+    tree = make_tree(torch.tensor([9, 5, 6, 7]), torch.tensor([-1, 0, 0, 1]), draft_logp=torch.tensor([0.0, -0.1, -2.0, -0.3]))
+    pol.observe_tree(tree, VerifyResult(path=[0, 1, 3], tokens=[5, 7, 8]))
+    # depth 1 (root had children, path went on), depth 2 (node 1 had a child, path went on); node 3 has none
+    assert (pol._cont_n - n0).tolist()[:4] == [0, 1, 1, 0]
+    assert (pol._cont_a - a0).tolist()[:4] == [0, 1, 1, 0]
+    pol.observe_tree(tree, VerifyResult(path=[0, 1], tokens=[5, 8]))  # stopped at 1 although 3 was verified
+    assert (pol._cont_n - n0).tolist()[:4] == [0, 2, 2, 0]
+    assert (pol._cont_a - a0).tolist()[:4] == [0, 2, 1, 0]
