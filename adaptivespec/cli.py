@@ -1,4 +1,4 @@
-"""Command line: ``adaptivespec generate | plugins | plot-trace | train-drafter | bench | sweep | serve``.
+"""Command line: ``adaptivespec generate | plugins | plot-trace | train-drafter | bench | sweep | serve | calibrate``.
 
 Every user error (config, arguments, paths, plugin names) is one line on stderr and exit code 2.
 """
@@ -22,6 +22,7 @@ EXTRA_COMMANDS = [
     ("adaptivespec.evaluation.cli", "add_bench_parser"),
     ("adaptivespec.evaluation.cli", "add_sweep_parser"),
     ("adaptivespec.sglang.serve", "add_serve_parser"),
+    ("adaptivespec.calibrate", "add_parser"),
 ]
 
 

@@ -153,6 +153,7 @@ class Engine:
             logits, hidden = rt.verify_forward(tree)
             t_verify = time.perf_counter()
             result = verifier.verify(tree, logits)
+            policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
             forwards += 1
             # 4. emit accepted + bonus tokens; commit the accepted path to both caches
             n_before = len(out)

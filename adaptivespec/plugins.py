@@ -33,6 +33,7 @@ LOAD_PLUGINS_ENV = "ADAPTIVESPEC_PLUGINS"
 BUILTIN_PLUGINS = {
     "static": "adaptivespec.policies.static",
     "dcs": "adaptivespec.policies.dcs",
+    "cost_aware": "adaptivespec.policies.cost_aware",
     "strict": "adaptivespec.verifiers.strict",
     "margin": "adaptivespec.verifiers.margin",
     "eagle3": "adaptivespec.drafter",

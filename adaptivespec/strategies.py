@@ -54,6 +54,15 @@ class TreePolicy:
         """What the policy wants recorded in the step trace about its last decision."""
         return {}
 
+    def observe_tree(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Learn from one verify result: the verified tree and its accepted path (optional;
+        called before :meth:`state` and :meth:`observe` of the same step)."""
+
+    def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
+        """The bank shape whose executor verifies a tree of ``n`` nodes drafted with ``shape``
+        (policies with a variable verify budget return a smaller bucket); default ``shape``."""
+        return shape
+
     # -- tree construction rules (EAGLE-2/3 defaults) ----------------------------------------
     def select_level(
         self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int

@@ -35,7 +35,13 @@ def plot_trace(path: str | Path, output: str | Path) -> None:
     if not rows:
         raise AdaptiveSpecError(f"plot-trace: {path}: no speculative steps (autoregressive trace?)")
     x = list(range(len(rows)))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    decisions = [r for r in rows if "budget" in (r.get("policy_state") or {})]  # in-step tree decisions
+    reliability = next((r["policy_state"]["reliability"] for r in reversed(rows) if (r.get("policy_state") or {}).get("reliability")), None)
+    if decisions:
+        fig, (ax1, ax2, ax4, ax5) = _decision_axes(plt, reliability is not None)
+        _plot_decisions(ax4, ax5, x, rows, reliability)
+    else:
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     for i, label in enumerate(("nsteps (depth)", "topk (branching)", "ndt (verified)")):
         ax1.step(x, [r["shape"][i] for r in rows], where="mid", label=label)
     ax1.set_ylabel("tree shape")
@@ -58,3 +64,40 @@ def plot_trace(path: str | Path, output: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
+
+
+def _decision_axes(plt, with_reliability: bool):
+    """Shape, accepted and in-step decisions share the step axis; the reliability diagram sits apart."""
+    fig = plt.figure(figsize=(11, 9))
+    grid = fig.add_gridspec(3, 4)
+    ax1 = fig.add_subplot(grid[0, :])
+    ax2 = fig.add_subplot(grid[1, :], sharex=ax1)
+    ax4 = fig.add_subplot(grid[2, :3] if with_reliability else grid[2, :], sharex=ax1)
+    ax5 = fig.add_subplot(grid[2, 3]) if with_reliability else None
+    return fig, (ax1, ax2, ax4, ax5)
+
+
+def _plot_decisions(ax, ax_rel, x, rows, reliability) -> None:
+    """Per step: draft levels expanded, verify budget (tokens verified) and breaker trips; the
+    calibration map's last reliability table (predicted vs observed acceptance)."""
+    nan = float("nan")
+    st = [r.get("policy_state") or {} for r in rows]
+    ax.step(x, [s.get("levels", nan) for s in st], where="mid", color="tab:blue", label="tree depth (levels drafted)")
+    ax.step(x, [s.get("budget", nan) for s in st], where="mid", color="tab:orange", label="verify budget (ndt)")
+    ax.plot(x, [s.get("expected_tokens", nan) for s in st], color="tab:green", lw=0.8, label="expected tokens")
+    trips = [i for i, s in zip(x, st) if s.get("breaker_tripped")]
+    if trips:
+        ax.scatter(trips, [0] * len(trips), marker="x", color="tab:red", label="breaker")
+    stops = [i for i, s in zip(x, st) if s.get("stop") == "cost"]
+    ax.set_ylabel("decisions")
+    ax.set_xlabel("decode step" + (f"  ({len(stops)} of {len(x)} trees stopped early by the cost rule)" if stops else ""))
+    ax.legend(loc="upper right", fontsize=7)
+    if ax_rel is not None:
+        pts = [(p, o, n) for p, o, n in zip(reliability["predicted"], reliability["observed"], reliability["count"]) if n]
+        ax_rel.plot([0, 1], [0, 1], color="0.6", lw=0.8, ls="--")
+        ax_rel.scatter([p for p, _, _ in pts], [o for _, o, _ in pts], s=[10 + 40 * n / max(c for *_, c in pts) for *_, n in pts])
+        ece = reliability.get("ece")
+        ax_rel.set_title(f"reliability ({reliability['nodes']} nodes" + (f", ECE {ece:.3f})" if ece is not None else ")"), fontsize=8)
+        ax_rel.set_xlabel("predicted", fontsize=8)
+        ax_rel.set_ylabel("observed", fontsize=8)
+        ax_rel.set_xlim(0, 1), ax_rel.set_ylim(0, 1)

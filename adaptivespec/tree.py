@@ -138,6 +138,8 @@ def draft_tree(
     logp = torch.cat([torch.zeros(1, device=device), all_scores[kept]])
     anc = ancestor_matrix(parents, shape.nsteps)
     depth = anc.sum(-1) - 1
+    fit = getattr(rules, "verify_shape", None)  # a variable verify budget: the bucket holding the tree
+    shape = shape if fit is None else fit(shape, kept.shape[0] + 1)
     return DraftTree(tokens=node_tokens, parents=parents, depth=depth, ancestors=anc, draft_logp=logp, shape=shape)
 
 

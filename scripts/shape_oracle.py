@@ -18,6 +18,14 @@ static-shape sweeps, ``--sweep``), schedules are timed over the same tokens:
 * ``policies``: each ``--policy`` config's tree policy replayed step by step (it reads p1 and
   observes accepted lengths as in decoding). Only policies that keep the default beam rules
   (``select_level`` / ``select_final``) can be replayed: the acceptances are those of beam trees.
+  A policy with its own in-step rules that keeps EAGLE's beam (``cost_aware``: it only stops
+  drafting early and verifies a subset) is replayed on the full teacher-forced trees of its
+  branching instead (``--policy``, stored with ``--out``): at every position it sees the levels of
+  the full tree one by one, exactly the candidates it would draft, its kept subtree's accepted
+  length is read off the continuation, it learns from the result, and its step costs
+  ``t(levels it drafted, topk, nodes it verified)`` in the same cost model (``in_step`` in the
+  summary). ``--profile PROFILE.json`` (``adaptivespec calibrate``) may replace ``--sweep`` as
+  the cost model.
 
     python scripts/shape_oracle.py --sweep runs/shape/trees runs/shape/chains \\
         --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128 --out oracle.json
@@ -61,12 +69,30 @@ def fit_cost(sweeps: list[Path]) -> tuple[list[float], list[tuple], float]:
     return coef.tolist(), rows, float(resid.abs().mean())
 
 
+def profile_cost(path: str) -> tuple[list[float], list, float]:
+    """The cost model of an ``adaptivespec calibrate`` profile, as ``fit_cost``'s coefficients (s):
+    ``c0 + c1*nsteps + c2*nsteps*topk + c3*ndt`` plus ``c4*topk`` (the drafter runs ``nsteps - 1``
+    levels of ``topk`` nodes each)."""
+    from adaptivespec.costmodel import CostModel
+
+    m = CostModel.load(path)
+    c0 = m.fixed + m.per_context * m.context_ref - m.per_draft_level
+    coef = [c0 / 1e3, m.per_draft_level / 1e3, m.per_draft_node / 1e3, m.per_verified_token / 1e3, -m.per_draft_node / 1e3]
+    return coef, [], float(m.meta.get("fit", {}).get("mean_abs_rel_error", float("nan")))
+
+
 def sh(s: TreeShape) -> list[int]:
     return [s.nsteps, s.topk, s.ndt]
 
 
 def cost(coef, s: TreeShape) -> float:
-    return coef[0] + coef[1] * s.nsteps + coef[2] * s.nsteps * s.topk + coef[3] * s.ndt
+    return tree_cost(coef, s.nsteps, s.topk, s.ndt)
+
+
+def tree_cost(coef, nsteps: int, topk: int, ndt: int) -> float:
+    """Step time (s) of a tree drafted ``nsteps`` deep with beam ``topk``, verifying ``ndt`` tokens."""
+    extra = coef[4] * topk if len(coef) > 4 else 0.0
+    return coef[0] + coef[1] * nsteps + coef[2] * nsteps * topk + coef[3] * ndt + extra
 
 
 def accepted_for_shapes(tree, cont: torch.Tensor, shapes_k: list[TreeShape]) -> dict[TreeShape, int]:
@@ -117,7 +143,8 @@ def oracle(acc: list[dict], times: dict, shapes) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", nargs="+", required=True, help="sweep run folders (results.json) for the cost model")
+    ap.add_argument("--sweep", nargs="+", help="sweep run folders (results.json) for the cost model")
+    ap.add_argument("--profile", help="cost profile of adaptivespec calibrate, instead of --sweep")
     ap.add_argument("--data", required=True)
     ap.add_argument("--dataset", default="gsm8k")
     ap.add_argument("--limit", type=int, default=8)
@@ -128,9 +155,14 @@ def main(argv=None) -> int:
                     help="also simulate the tree policy of this config on the measured acceptances (repeatable)")
     ap.add_argument("--cached", help="reuse the acceptances saved by an earlier run (its --out with .pt)")
     args = ap.parse_args(argv)
-    coef, rows, err = fit_cost([Path(p) for p in args.sweep])
+    if (args.sweep is None) == (args.profile is None):
+        ap.error("give the cost model as exactly one of --sweep or --profile")
+    if args.profile:
+        coef, rows, err = profile_cost(args.profile)
+    else:
+        coef, rows, err = fit_cost([Path(p) for p in args.sweep])
     print(f"cost model: t = {coef[0]*1e3:.1f} + {coef[1]*1e3:.2f}*nsteps + {coef[2]*1e3:.3f}*nsteps*topk + "
-          f"{coef[3]*1e3:.3f}*ndt ms; mean |rel. error| {100*err:.1f}% over {len(rows)} shapes", file=sys.stderr)
+          f"{coef[3]*1e3:.3f}*ndt ms; mean |rel. error| {100*err:.1f}% " + (f"over {len(rows)} shapes" if rows else f"(profile {args.profile})"), file=sys.stderr)
 
     shapes = []
     for k in BRANCHING:
@@ -147,10 +179,23 @@ def main(argv=None) -> int:
         by_key = {tuple(sh(x)): x for x in shapes}
         acc_all = [[{by_key[k]: v for k, v in a.items() if k in by_key} for a in acc] for acc in blob["acc"]]
         p1_all = blob["p1"]
+        trees_all = blob.get("trees", {})
     else:
-        acc_all, p1_all = measure(args, shapes)
-    analyse(args, coef, err, shapes, times, acc_all, p1_all)
+        acc_all, p1_all, trees_all = measure(args, shapes)
+    analyse(args, coef, err, shapes, times, acc_all, p1_all, trees_all)
     return 0
+
+
+def tree_record(tree, cont: torch.Tensor) -> dict:
+    """What an in-step replay needs of one full teacher-forced tree: per node its depth, parent,
+    cumulative draft log-prob, and whether its token is the continuation's at its depth."""
+    depth = tree.depth.cpu()
+    want = torch.full_like(depth, -1)
+    ok = (depth > 0) & (depth <= cont.shape[0])
+    want[ok] = cont.cpu()[depth[ok] - 1]
+    match = (tree.tokens.cpu() == want) | (depth == 0)
+    return {"depth": depth.to(torch.int8), "parents": tree.parents.cpu().to(torch.int16),
+            "logp": tree.draft_logp.cpu().float(), "match": match}
 
 
 def measure(args, shapes):
@@ -160,6 +205,7 @@ def measure(args, shapes):
     rt.prepare([*full.values(), *eng.policy.shapes()], capacity=4096)
     problems = load_dataset(args.dataset, args.data, args.limit)
     acc_all, p1_all = [], []
+    trees_all: dict[int, list] = {k: [] for k in BRANCHING}  # branching -> prompt -> position -> tree_record
     checked = [0, 0]  # steps compared, steps equal
     with torch.inference_mode():
         for pi, prob in enumerate(problems):
@@ -175,6 +221,8 @@ def measure(args, shapes):
             outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)  # position i: (token[i+1], state[i])
             saved_k, saved_v = d._k.clone(), d._v.clone()
             acc = []
+            for k in BRANCHING:
+                trees_all[k].append([])
             for j in range(len(Y) - 1):
                 P = len(ids) + j
                 d.length = P
@@ -190,6 +238,7 @@ def measure(args, shapes):
                     d._k[:, :, P : P + 1024] = saved_k[:, :, P : P + 1024]
                     d._v[:, :, P : P + 1024] = saved_v[:, :, P : P + 1024]
                     a.update(accepted_for_shapes(tree, cont, [s for s in shapes if s.topk == k]))
+                    trees_all[k][-1].append(tree_record(tree, cont))
                 acc.append(a)
             acc_all.append(acc)
             # self-check: the decode that made Y used the engine's static shape; its real accepted
@@ -203,7 +252,15 @@ def measure(args, shapes):
                 i += rec.accepted + 1
             print(f"prompt {pi + 1}/{len(problems)}: {len(Y)} tokens; self-check {checked[1]}/{checked[0]} steps "
                   f"of {rec.shape} predicted exactly", file=sys.stderr)
-    return acc_all, p1_all
+    return acc_all, p1_all, trees_all
+
+
+def in_step_policy(path: str) -> bool:
+    """Whether the config's policy sizes trees while drafting on EAGLE's beam (``eagle_beam``)."""
+    from adaptivespec.plugins import get_plugin_host
+
+    cfg = load_config(path, [])
+    return bool(getattr(get_plugin_host().policies.get(cfg.policy.name).cls, "eagle_beam", False))
 
 
 def simulate_policy(path: str, acc_all, p1_by, times) -> float:
@@ -242,10 +299,68 @@ def simulate_policy(path: str, acc_all, p1_by, times) -> float:
     return total
 
 
-def analyse(args, coef, err, shapes, times, acc_all, p1_all) -> None:
+def replay_in_step(path: str, trees_all: dict, p1_by, coef) -> dict:
+    """Replay a policy that sizes the tree while drafting (keeping EAGLE's beam) on the full
+    teacher-forced trees of its branching; returns total seconds and its decisions' means."""
+    from adaptivespec.plugins import get_plugin_host
+    from adaptivespec.tree import ancestor_matrix, make_tree
+    from adaptivespec.types import StepRecord, StepSignals, VerifyResult
+
+    cfg = load_config(path, [])
+    policy = get_plugin_host().policies.get(cfg.policy.name).cls(cfg.policy.params)
+    shape = policy.shapes()[0]
+    if shape.topk not in trees_all or not trees_all[shape.topk]:
+        raise SystemExit(f"--policy {path}: no full trees of branching {shape.topk} were measured ({sorted(trees_all)})")
+    if shape.nsteps > DEPTH:
+        raise SystemExit(f"--policy {path}: depth {shape.nsteps} > the measured {DEPTH}")
+    total, steps, tokens, levels, verified = 0.0, 0, 0, 0, 0
+    for trees, pp in zip(trees_all[shape.topk], p1_by):
+        policy.reset()
+        i, step, last = 0, 0, -1
+        while i < len(trees):
+            shape = policy.next_shape(StepSignals(step=step, draft_top1_prob=pp[i], last_accepted=last))
+            t = trees[i]
+            depth, parents, logp, match = t["depth"].long(), t["parents"].long(), t["logp"], t["match"]
+            pool, used = 0, 0
+            for d in range(1, shape.nsteps + 1):
+                lvl = (depth == d).nonzero().squeeze(1)
+                if lvl.numel() == 0:
+                    break
+                _, beam = policy.select_level(logp[lvl], d, shape, pool)
+                pool, used = pool + lvl.numel(), d
+                if beam.numel() == 0:
+                    break
+            cand = ((depth >= 1) & (depth <= used)).nonzero().squeeze(1)  # pool order = node order
+            kept = torch.sort(cand[policy.select_final(logp[cand], shape)]).values
+            nodes = torch.cat([torch.zeros(1, dtype=torch.long), kept])
+            sub_parents = parents[nodes]
+            remap = torch.full((depth.shape[0],), -1, dtype=torch.long)
+            remap[nodes] = torch.arange(nodes.shape[0])
+            sub_parents = torch.where(sub_parents >= 0, remap[sub_parents.clamp(min=0)], sub_parents)
+            anc = ancestor_matrix(sub_parents, used or 1)
+            good = match[nodes]
+            ok = (~anc | good.unsqueeze(0)).all(1)
+            sub_depth = anc.sum(-1) - 1
+            deepest = int(torch.where(ok, sub_depth, -1).argmax())
+            a = int(sub_depth[deepest])
+            sub = make_tree(torch.zeros(nodes.shape[0], dtype=torch.long), sub_parents, draft_logp=logp[nodes])
+            path_nodes = anc[deepest].nonzero().squeeze(1).tolist()
+            policy.observe_tree(sub, VerifyResult(path=path_nodes, tokens=[0] * len(path_nodes)))
+            policy.observe(StepRecord(step=step, shape=shape, tree_size=nodes.shape[0], accepted=a, promoted=0,
+                                      new_tokens=a + 1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
+            total += tree_cost(coef, max(used, 1), shape.topk, nodes.shape[0])
+            steps, tokens, levels, verified = steps + 1, tokens + a + 1, levels + used, verified + nodes.shape[0]
+            i, step, last = i + a + 1, step + 1, a
+    rel = policy.calib.reliability() if hasattr(policy, "calib") else None
+    return {"seconds": total, "steps": steps, "accept_length": tokens / steps, "mean_levels": levels / steps,
+            "mean_verified": verified / steps, "calibration_ece": rel["ece"] if rel else None}
+
+
+def analyse(args, coef, err, shapes, times, acc_all, p1_all, trees_all=None) -> None:
+    trees_all = trees_all or {}
     if args.out:
-        torch.save({"acc": [[{tuple(sh(k)): v for k, v in a.items()} for a in acc] for acc in acc_all], "p1": p1_all},
-                   Path(args.out).with_suffix(".pt"))
+        torch.save({"acc": [[{tuple(sh(k)): v for k, v in a.items()} for a in acc] for acc in acc_all], "p1": p1_all,
+                    "trees": trees_all}, Path(args.out).with_suffix(".pt"))
 
     static = {s: sum(simulate(lambda i: s, acc, times) for acc in acc_all) for s in shapes}
     best = min(static, key=static.get)
@@ -297,9 +412,16 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all) -> None:
     tokens = sum(len(a) for a in acc_all)
     top = sorted(static, key=static.get)[:5]
     policies = {}
+    gain = static[best] / orc - 1.0
     for path in args.policy:
-        t = simulate_policy(path, acc_all, p1_by, times)
-        policies[path] = {"tok_per_s": tokens / t, "vs_best_static": static[best] / t}
+        if in_step_policy(path):
+            r = replay_in_step(path, trees_all, p1_by, coef)
+            t = r.pop("seconds")
+            policies[path] = {"tok_per_s": tokens / t, "vs_best_static": static[best] / t, "in_step": r}
+        else:
+            t = simulate_policy(path, acc_all, p1_by, times)
+            policies[path] = {"tok_per_s": tokens / t, "vs_best_static": static[best] / t}
+        policies[path]["oracle_gain_captured"] = (static[best] / t - 1.0) / gain if gain > 0 else None
     summary = {
         "prompts": len(acc_all), "positions": tokens,
         "cost_model_ms": [c * 1e3 for c in coef], "cost_model_mean_rel_error": err,

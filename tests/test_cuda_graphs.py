@@ -251,3 +251,33 @@ def test_static_path_samples_like_eager(tiny, one_thread):
         rt.sampler = verifier.sampler = Sampler(1.0, top_p=0.95, seed=3)
         runs[static] = [t for _, _, t in decode(rt, prompt, Cycle(SHAPES), verifier, steps=6)[0]], int(rt.root)
     assert runs[False] == runs[True]
+
+
+def test_static_path_runs_the_cost_aware_verify_buckets(tiny, one_thread, tmp_path):
+    """A variable verify budget on the static path: each tree is verified by its bucket's static
+    entry (padded to the bucket's ndt), with the same trees, logits and tokens as eager."""
+    from adaptivespec.config import structure
+    from adaptivespec.costmodel import CostModel, save_prior
+    from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy
+
+    CostModel(fixed=20.0, per_draft_level=0.5, per_verified_token=4.0, context_ref=0).save(tmp_path / "c.json")
+    prior = torch.linspace(0.95, 0.05, 12).repeat(6, 1)
+    save_prior(tmp_path / "p.json", prior, torch.ones_like(prior), shrink=0)
+
+    def make():
+        return CostAwarePolicy(structure(CostAwareParams, {
+            "max_depth": 4, "topk": 3, "buckets": [3, 5, 9], "profile": str(tmp_path / "c.json"),
+            "prior": str(tmp_path / "p.json"), "prior_weight": 1.0}, "test", "policy"))
+
+    prompt = list(range(3, 40))
+    runs = {}
+    for static in (False, True):
+        policy = make()
+        runs[static] = decode(runtime(*tiny, static, shapes=policy.shapes()), prompt, policy, ForcedPath(), steps=8)
+    (eager, _), (stat, rt_s) = runs[False], runs[True]
+    for (tree_e, logits_e, tok_e), (tree_s, logits_s, tok_s) in zip(eager, stat):
+        assert tree_e == tree_s and tok_e == tok_s
+        assert (logits_e - logits_s).abs().max() < 1e-4
+    sizes = {len(t) for t, _, _ in stat}
+    assert sizes <= set(range(2, 10))
+    assert any(n < policy.verify_shape(policy.shape, n).ndt for n in sizes)  # a tree padded to its bucket

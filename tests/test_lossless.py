@@ -30,6 +30,9 @@ POLICIES["dcs"] = ["policy.name=dcs"]  # shapes change every step between (3,4,4
 # the policy exactly as configs/adaptivespec-dynamic.yaml ships it (CPU-tuned ends, depth-1 trees included)
 _SHIPPED = yaml.safe_load((Path(__file__).parents[1] / "configs" / "adaptivespec-dynamic.yaml").read_text())["policy"]
 POLICIES["dcs-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _SHIPPED.items()]
+# the cost-aware policy as configs/cost-aware.yaml ships it: levels and verify budget vary within a step
+_COST = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cost-aware.yaml").read_text())["policy"]
+POLICIES["cost-aware-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _COST.items()]
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -82,7 +85,7 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
     drafter = engine.runtime.drafter
     drafter.__class__ = OracleDrafter
     drafter.gen = torch.Generator().manual_seed(0)
-    paths, shapes = [], set()
+    paths, shapes, sizes = [], set(), set()
     commit = engine.runtime.commit
     engine.runtime.commit = lambda tree, res, hidden: (paths.append(res.path), commit(tree, res, hidden))
     try:
@@ -93,14 +96,18 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
             res = engine.generate_ids(ids, max_new_tokens=48)
             assert res.token_ids == ref, text
             shapes |= {r.shape for r in res.records}
+            sizes |= {r.tree_size for r in res.records}
             forwards += res.stats["target_forwards"]
             tokens += res.stats["new_tokens"]
     finally:
         drafter.__class__ = Eagle3Drafter
-    # the test really exercised acceptance (the shipped DCS ends include depth-1 trees: less per step)
-    assert tokens / forwards > (1.5 if policy == "dcs-shipped" else 1.8)
+    # the test really exercised acceptance (the shipped DCS ends and the cost-aware policy, whose
+    # calibration prior is the real head's, include depth-1 trees: less per step)
+    assert tokens / forwards > (1.5 if policy in ("dcs-shipped", "cost-aware-shipped") else 1.8)
     if any(s.topk > 1 for s in shapes):  # and accepted paths that are not the first-ranked chain
         assert any(p != list(range(len(p))) for p in paths)
+    if policy.startswith("cost"):  # the verify budget really varied within the one drafting shape
+        assert len(sizes) >= 3
     if policy.startswith("dcs"):  # the policy really switched shapes
         assert len(shapes) >= (3 if policy == "dcs" else 2)
 

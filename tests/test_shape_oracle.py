@@ -75,3 +75,30 @@ def test_policy_replay_refuses_policies_with_their_own_level_rules():
     pytest.importorskip("adaptivespec_talon")
     with pytest.raises(SystemExit, match="own level rules"):
         oracle_mod.simulate_policy(str(Path(__file__).parents[1] / "configs" / "talon.yaml"), [], [], {})
+
+
+def _cost_aware_config(tmp_path, level_ms: float) -> str:
+    from adaptivespec.costmodel import CostModel, save_prior
+
+    CostModel(fixed=50.0, per_draft_level=level_ms, per_verified_token=0.1, context_ref=0).save(tmp_path / "c.json")
+    high = torch.full((4, 12), 0.95)
+    save_prior(tmp_path / "p.json", high, torch.ones_like(high), shrink=0)
+    cfg = tmp_path / "cost.yaml"
+    cfg.write_text(f"policy:\n  name: cost_aware\n  max_depth: 3\n  topk: 2\n  buckets: [3, 6]\n"
+                   f"  profile: {tmp_path / 'c.json'}\n  prior: {tmp_path / 'p.json'}\n  prior_weight: 1000000.0\n")
+    return str(cfg)
+
+
+@pytest.mark.parametrize("level_ms, depth, steps", [(0.01, 3, 2), (500.0, 1, 4)])
+def test_in_step_replay_of_cost_aware_on_full_trees(tmp_path, level_ms, depth, steps):
+    # every position's full tree is full_tree() and the continuation is always 5, 7, 9: the whole
+    # tree accepts 3 tokens; with levels too expensive to draft, depth 1 accepts 1
+    record = oracle_mod.tree_record(full_tree(), torch.tensor([5, 7, 9]))
+    cfg = _cost_aware_config(tmp_path, level_ms)
+    assert oracle_mod.in_step_policy(cfg)
+    coef = [0.05, 0.001, 0.0, 0.0001]
+    got = oracle_mod.replay_in_step(cfg, {2: [[record] * 8]}, [[0.5] * 8], coef)
+    assert got["steps"] == steps and got["mean_levels"] == depth
+    assert got["accept_length"] == 8 / steps
+    n = got["mean_verified"]
+    assert got["seconds"] == pytest.approx(steps * oracle_mod.tree_cost(coef, depth, 2, n))

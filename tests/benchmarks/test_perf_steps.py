@@ -15,7 +15,7 @@ import torch
 from adaptivespec.runtime import compact_cache
 from adaptivespec.testing import registered
 from adaptivespec.tree import draft_tree
-from adaptivespec.types import StepRecord, StepSignals, TreeShape
+from adaptivespec.types import StepRecord, StepSignals, TreeShape, VerifyResult
 
 V, VD, HIDDEN = 49152, 8192, 576
 SHAPES = {8: TreeShape(5, 2, 8), 16: TreeShape(6, 3, 16), 32: TreeShape(7, 4, 32)}
@@ -49,7 +49,7 @@ def draft(shape: TreeShape, policy, fake: FakeExpand):
 
 
 # -- policies: one step = choose a shape, draft a tree with the policy's level rules, observe --------
-@pytest.mark.parametrize("name", ["static", "dcs", "talon"])
+@pytest.mark.parametrize("name", ["static", "dcs", "talon", "cost_aware"])
 def test_policy_step(benchmark, name):
     benchmark.group = "policy step (next_shape + draft_tree rules + observe, fake drafter)"
     cls = strategy("policy", name)
@@ -64,6 +64,7 @@ def test_policy_step(benchmark, name):
         i = next(steps)
         shape = policy.next_shape(StepSignals(step=i, draft_top1_prob=p1[i], last_accepted=accepted[i - 1]))
         tree = draft(shape, policy, fake)
+        policy.observe_tree(tree, VerifyResult(path=[0, 1] if accepted[i] else [0], tokens=[]))
         policy.observe(StepRecord(step=i, shape=shape, tree_size=tree.size, accepted=accepted[i], promoted=0,
                                   new_tokens=accepted[i] + 1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
         return tree

@@ -1,0 +1,313 @@
+"""A measured step-cost model, calibrated path values, and the value/cost ranking of candidates.
+
+Three pieces, used by the ``cost_aware`` tree policy and reusable on any candidate set:
+
+* :class:`CostModel`: the wall time of one speculative step as a linear function of what the step
+  does, fitted by least squares to measured steps (``adaptivespec calibrate``) and stored as a
+  small JSON *profile*::
+
+      t(step) = fixed + per_context * P + per_draft_level * L + per_draft_node * E + per_verified_token * n
+
+  (``P`` committed positions, ``L`` drafter forwards, ``E`` nodes run through the drafter, ``n``
+  tokens verified, the root included).
+* :class:`CalibrationMap`: an online map from a drafted node's (depth, cumulative draft
+  log-probability) to the probability that strict verification accepts it, updated from every
+  verify result (which nodes were verified, which were on the accepted path), starting from a
+  prior measured on training prompts. Its values are monotone: non-increasing in depth and
+  non-decreasing in log-probability, so a child never scores above its parent and every prefix of
+  a value ranking is closed under ancestors. It keeps a reliability table of its own predictions.
+* :func:`rank_by_value`: which candidates to verify, given their calibrated values (expected
+  accepted tokens) and the cost model: the prefix of the value ranking that maximises expected
+  tokens per millisecond. It takes any candidate set (draft-tree nodes, retrieved continuations).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from adaptivespec.errors import AdaptiveSpecError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+"""Shipped profiles: the cost model and calibration prior of the embedded model on CPU."""
+DEFAULT_COST_PROFILE = "cpu-smollm2-135m-bf16.json"
+DEFAULT_PRIOR = "calibration-smollm2-135m-embedded.json"
+
+COST_TERMS = ("fixed", "per_context", "per_draft_level", "per_draft_node", "per_verified_token")
+
+LOGP_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5, -7.0)
+"""Bin edges of the cumulative draft log-probability (bin 0 is the most likely, > -0.05)."""
+RELIABILITY_BINS = 10
+
+
+def resolve_profile(name: str | None, default: str, key: str) -> Path:
+    """A profile path: ``name`` as a file, or a file of the shipped profiles; ``default`` if None."""
+    name = name or default
+    for p in (Path(name), PROFILE_DIR / name):
+        if p.is_file():
+            return p
+    shipped = ", ".join(sorted(q.name for q in PROFILE_DIR.glob("*.json")))
+    prefix = f"{key}: " if key else ""
+    raise ValueError(f"{prefix}file {name!r} not found (a path, or one of the shipped profiles: {shipped})")
+
+
+def machine_info() -> dict[str, Any]:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# -- cost model ------------------------------------------------------------------------------------
+@attrs.frozen(kw_only=True)
+class CostModel:
+    """Step time in milliseconds, linear in what the step does (see the module docstring)."""
+
+    fixed: float
+    per_context: float = 0.0
+    per_draft_level: float = 0.0
+    per_draft_node: float = 0.0
+    per_verified_token: float = 0.0
+    context_ref: float = 256.0
+    """Typical committed context (positions) when a caller does not know ``P``."""
+    meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
+    """Everything else the profile file holds (machine, model, fit error, command)."""
+
+    def step_ms(self, verified: float, levels: float = 0, nodes: float = 0, context: float | None = None) -> float:
+        P = self.context_ref if context is None else context
+        return (self.fixed + self.per_context * P + self.per_draft_level * levels
+                + self.per_draft_node * nodes + self.per_verified_token * verified)
+
+    def base_ms(self, context: float | None = None) -> float:
+        """Fixed part of a step: nothing drafted below depth 1, nothing verified."""
+        return self.step_ms(0, 0, 0, context)
+
+    @classmethod
+    def fit(cls, rows: Sequence[Sequence[float]], **meta: Any) -> "CostModel":
+        """Least squares over rows ``(P, L, E, n, step_ms)``; terms no row varies are fixed at 0.
+
+        Adds ``fit`` (mean and max relative error, rows) to ``meta``.
+        """
+        if len(rows) < 2:
+            raise AdaptiveSpecError(f"cost model: need at least 2 timed steps to fit, got {len(rows)}")
+        data = torch.tensor([list(map(float, r)) for r in rows], dtype=torch.float64)
+        X, y = data[:, :4], data[:, 4]
+        varies = [j for j in range(4) if float(X[:, j].max() - X[:, j].min()) > 0]
+        dropped = []
+        while True:  # a negative cost per unit is noise (or collinearity): drop that term and refit
+            A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
+            sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+            if not varies or float(sol[1:].min()) >= 0:
+                break
+            worst = int(sol[1:].argmin())
+            dropped.append(COST_TERMS[1 + varies.pop(worst)])
+        coef = [0.0] * 5
+        coef[0] = float(sol[0])
+        for i, j in enumerate(varies):
+            coef[1 + j] = float(sol[1 + i])
+        rel = ((A @ sol - y) / y).abs()
+        meta = dict(meta)
+        meta["fit"] = {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()), "steps": len(rows),
+                       "dropped_negative_terms": dropped}
+        return cls(**dict(zip(COST_TERMS, coef)), context_ref=float(X[:, 0].median()), meta=meta)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 1, **self.meta, "coefficients_ms": {k: getattr(self, k) for k in COST_TERMS},
+                "context_ref": self.context_ref}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            coef = data["coefficients_ms"]
+            values = {k: float(coef.get(k, 0.0)) for k in COST_TERMS}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}: not a cost profile (expected JSON with coefficients_ms: {exc})") from None
+        if not all(math.isfinite(v) for v in values.values()) or values["fixed"] <= 0:
+            raise ValueError(f"{path}: cost profile coefficients must be finite and fixed > 0, got {values}")
+        meta = {k: v for k, v in data.items() if k not in ("coefficients_ms", "context_ref", "format")}
+        return cls(**values, context_ref=float(data.get("context_ref", 256.0)), meta=meta)
+
+
+# -- calibration map -------------------------------------------------------------------------------
+def _np(x: Any) -> np.ndarray:
+    """A host numpy view of a tensor (a copy from an accelerator), or ``x`` as an array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+class CalibrationMap:
+    """P(accepted | depth, cumulative draft log-prob bin), online, from a prior.
+
+    Cells are ``[max_depth + 1, bins]`` (row 0, the root, unused; deeper nodes use the last row).
+    ``value = (acc + w * prior) / (n + w)`` per cell, where ``acc`` / ``n`` are decayed counts of
+    accepted / verified nodes and ``w`` the prior's weight in pseudo-observations; then made
+    monotone (cumulative max towards likelier bins, cumulative min down the depths).
+
+    The map is a few dozen cells, so it lives on the host as numpy arrays: each call costs
+    microseconds where a chain of small device ops would cost tens of them. Inputs may be tensors
+    (copied to the host: one transfer per call on an accelerator) or arrays.
+    """
+
+    def __init__(self, prior: Any, *, prior_weight: float = 8.0, decay: float = 1.0,
+                 edges: Sequence[float] = LOGP_EDGES) -> None:
+        self.edges = np.array(sorted(-e for e in edges), dtype=np.float64)  # ascending -logp
+        self.bins = len(edges) + 1
+        prior = _np(prior).astype(np.float64)
+        if prior.ndim != 2 or prior.shape[1] != self.bins or prior.shape[0] < 2:
+            raise ValueError(f"calibration prior: expected [depths + 1, {self.bins}] values, got {list(prior.shape)}")
+        self.prior = prior.clip(0.0, 1.0)
+        self.max_depth = prior.shape[0] - 1
+        self.prior_weight, self.decay = float(prior_weight), float(decay)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every observation (back to the prior)."""
+        self.acc = np.zeros(self.prior.shape)
+        self.n = np.zeros(self.prior.shape)
+        self.rel = np.zeros((3, RELIABILITY_BINS))  # count, sum predicted, sum accepted
+        self._table: np.ndarray | None = None
+
+    def cells(self, depth: Any, logp: Any) -> np.ndarray:
+        """Flat cell index of nodes at ``depth`` (array-like or one int) with cumulative log-prob ``logp``."""
+        b = self.edges.searchsorted(-_np(logp).astype(np.float64), side="left")
+        if isinstance(depth, int):
+            return min(max(depth, 1), self.max_depth) * self.bins + b
+        d = np.minimum(np.maximum(_np(depth), 1), self.max_depth)
+        return d * self.bins + b
+
+    def table(self) -> np.ndarray:
+        """[depths + 1, bins] monotone values (cached until the next update)."""
+        if self._table is None:
+            w = self.prior_weight
+            v = (self.acc + w * self.prior) / (self.n + w)
+            v = np.maximum.accumulate(v[:, ::-1], axis=1)[:, ::-1]  # likelier bin >= less likely
+            v[1:] = np.minimum.accumulate(v[1:], axis=0)  # deeper <= shallower
+            self._table = np.ascontiguousarray(v)
+        return self._table
+
+    def values(self, depth: Any, logp: Any) -> np.ndarray:
+        return self.table().ravel()[self.cells(depth, logp)]
+
+    def update(self, depth: Any, logp: Any, accepted: Any) -> None:
+        """One verify result: ``depth``/``logp`` of every verified drafted node, ``accepted`` [bool]
+        whether it was on the accepted path."""
+        idx = self.cells(depth, logp)
+        pred = self.table().ravel()[idx]
+        hit = _np(accepted).astype(np.float64)
+        if self.decay < 1.0:
+            self.acc *= self.decay
+            self.n *= self.decay
+        size = self.n.size
+        self.n += np.bincount(idx, minlength=size).reshape(self.n.shape)
+        self.acc += np.bincount(idx, weights=hit, minlength=size).reshape(self.n.shape)
+        rb = np.minimum((pred * RELIABILITY_BINS).astype(np.int64), RELIABILITY_BINS - 1)
+        self.rel[0] += np.bincount(rb, minlength=RELIABILITY_BINS)
+        self.rel[1] += np.bincount(rb, weights=pred, minlength=RELIABILITY_BINS)
+        self.rel[2] += np.bincount(rb, weights=hit, minlength=RELIABILITY_BINS)
+        self._table = None
+
+    def reliability(self) -> dict[str, Any]:
+        """Predicted vs observed acceptance per bin of predicted value, and the expected
+        calibration error (count-weighted mean |predicted - observed|), over every update."""
+        n, p, a = self.rel
+        total = float(n.sum())
+        ece = float(np.abs(p - a).sum() / total) if total else None
+        return {
+            "bins": [[i / RELIABILITY_BINS, (i + 1) / RELIABILITY_BINS] for i in range(RELIABILITY_BINS)],
+            "count": [int(c) for c in n],
+            "predicted": [float(p[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
+            "observed": [float(a[i] / n[i]) if n[i] > 0 else None for i in range(RELIABILITY_BINS)],
+            "ece": ece,
+            "nodes": int(total),
+        }
+
+    # -- prior files -------------------------------------------------------------------------------
+    @staticmethod
+    def prior_from_counts(acc: Any, n: Any, fallback: float = 0.0) -> np.ndarray:
+        acc, n = _np(acc).astype(np.float64), _np(n).astype(np.float64)
+        return np.where(n > 0, acc / np.maximum(n, 1e-12), fallback)
+
+    @classmethod
+    def load(cls, path: str | Path, **kw: Any) -> "CalibrationMap":
+        try:
+            data = json.loads(Path(path).read_text())
+            prior = np.array(data["values"], dtype=np.float64)
+            edges = tuple(float(e) for e in data["logp_edges"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a calibration prior (expected JSON with values, logp_edges: {exc})") from None
+        return cls(prior, edges=edges, **kw)
+
+
+def save_prior(path: str | Path, acc: Any, n: Any, shrink: float = 4.0, **meta: Any) -> None:
+    """Write a calibration prior from accepted / verified counts per (depth, bin) cell.
+
+    Sparse cells are shrunk towards their bin's rate over all depths (``shrink`` pseudo-counts):
+    acceptance depends mostly on the cumulative probability, and deep cells see few nodes."""
+    acc, n = _np(acc).astype(np.float64), _np(n).astype(np.float64)
+    pooled = CalibrationMap.prior_from_counts(acc[1:].sum(0), n[1:].sum(0))
+    values = (acc + shrink * pooled[None, :]) / (n + shrink) if shrink > 0 else CalibrationMap.prior_from_counts(acc, n)
+    doc = {"format": 1, **meta, "logp_edges": list(LOGP_EDGES), "values": [[round(float(x), 5) for x in row] for row in values],
+           "counts": [[int(x) for x in row] for row in n]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc) + "\n")
+
+
+# -- ranking ---------------------------------------------------------------------------------------
+def rank_by_value(
+    values: Any,
+    *,
+    base_ms: float,
+    per_token_ms: float,
+    min_keep: int = 0,
+    max_keep: int | None = None,
+    forced: Any = None,
+    ancestors: Any = None,
+) -> tuple[np.ndarray, int, float]:
+    """Which candidates to verify: ``(order, k, rate)``; verify ``order[:k]``.
+
+    ``values``: [c] expected accepted tokens of each candidate (calibrated acceptance). The step
+    emits ``1 + sum(values)`` tokens in expectation and costs ``base_ms + per_token_ms * (k + 1)``
+    (the root is verified too), so the best ``k`` maximises that ratio over prefixes of the ranking
+    by value: a candidate is worth verifying while its value exceeds ``per_token_ms`` times the
+    tokens per millisecond already reached (the marginal cost of one more verified token).
+    ``forced`` [c] bool: candidates ranked first whatever their value (the root's best children);
+    ``min_keep <= k <= max_keep``. ``ancestors`` [c, c] bool (optional, for candidate sets whose
+    values are not already monotone along paths): each value is first replaced by the smallest on
+    its path, so every prefix of the ranking is closed under ancestors when candidates are in
+    topological order (ties keep candidate order). ``rate``: expected tokens per ms at ``k``.
+    Works on host arrays (tensors are copied over: one transfer); ``order`` is a numpy array.
+    """
+    v = _np(values).astype(np.float64)
+    c = v.shape[0]
+    cap = c if max_keep is None else max(0, min(max_keep, c))
+    alone = 1.0 / (base_ms + per_token_ms)
+    if c == 0 or cap == 0:
+        return np.zeros(0, dtype=np.int64), 0, alone
+    if ancestors is not None:
+        v = np.where(_np(ancestors), v[None, :], np.inf).min(-1)
+    key = v if forced is None else v + 2.0 * _np(forced)  # values are <= 1: forced ones sort first
+    order = np.argsort(-key, kind="stable")
+    gain = 1.0 + np.cumsum(v[order])  # expected tokens with the first j + 1 candidates
+    rate = gain / (base_ms + per_token_ms * np.arange(2, c + 2))
+    lo = min(max(min_keep, 0), cap)
+    if lo > 1:
+        rate[: lo - 1] = -1.0
+    rate[cap:] = -1.0
+    j = int(rate.argmax())
+    if lo == 0 and rate[j] <= alone:  # verifying nothing drafted is better
+        return order, 0, alone
+    return order, j + 1, float(rate[j])

@@ -1,0 +1,291 @@
+"""Policy ``cost_aware``: sizes the draft tree while drafting, from calibrated path values and a
+measured step-cost model.
+
+Every drafted candidate gets a *value*: the calibrated probability that strict verification accepts
+it, read from a :class:`~adaptivespec.costmodel.CalibrationMap` at its depth and cumulative draft
+log-probability (the score EAGLE-2 ranks by). Since a step emits ``1 + sum(values of the verified
+nodes)`` tokens in expectation, values add up to expected tokens, and the cost model
+(:class:`~adaptivespec.costmodel.CostModel`, a profile measured by ``adaptivespec calibrate``) turns
+every decision into tokens per millisecond:
+
+* **level rule** (``select_level``, after each level is scored): with ``R`` the best expected
+  tokens/ms of a tree cut here (:func:`~adaptivespec.costmodel.rank_by_value` over the pool so
+  far), the next level is drafted only if the tokens it is expected to add pay for it::
+
+      sum(value of beam nodes) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
+
+  where ``b`` is the beam width and ``cont[d]`` the observed probability that an accepted node at
+  depth ``d - 1`` with verified children has one accepted (online, same stream as the map);
+* **budget rule** (``select_final``): the prefix of the value ranking that maximises expected
+  tokens/ms, i.e. a node is verified while its value exceeds the marginal cost of one more
+  verified token (``per_verified_token`` x the rate reached), the root's ``min_keep`` best
+  children always first; at most the largest ndt bucket. The verified tree is tagged with the
+  smallest bucket shape that holds it (``verify_shape``), so the shape bank holds one executor per
+  bucket (graph-capturable; the CUDA-graph runtime pads to the bucket, ``fill_buckets`` fills the
+  padding with the next-best nodes instead);
+* **learning** (``observe_tree``, after each verify): the map and ``cont`` are updated from which
+  verified nodes were on the accepted path (vectorised);
+* **circuit breaker** (as in ``dcs``): ``breaker_steps`` consecutive zero-accept steps force the
+  next step to draft the full tree (``max_depth`` levels, the largest bucket verified), a probe
+  that keeps the map fed where it has been too pessimistic.
+
+Values are monotone (a child never above its parent, ties broken by pool order, which puts parents
+first), so every kept set is closed under ancestors. Host syncs per step: one per level and one
+for the budget.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+import adaptivespec
+from adaptivespec.config import number_in
+from adaptivespec.costmodel import (
+    DEFAULT_COST_PROFILE,
+    DEFAULT_PRIOR,
+    CalibrationMap,
+    CostModel,
+    rank_by_value,
+    resolve_profile,
+)
+from adaptivespec.strategies import TreePolicy
+from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
+
+
+def _int_at_least(lo: int):
+    def check(inst, attribute, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ValueError(f"expected an integer >= {lo}, got {value!r}")
+
+    return check
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _buckets(inst, attribute, value) -> None:
+    ok = isinstance(value, tuple) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 2 for v in value)
+    if not ok:
+        raise ValueError(f"expected a non-empty list of integers >= 2 (ndt, the root included), got {value!r}")
+
+
+def _file(default: str):
+    def check(inst, attribute, value) -> None:
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"expected a file name or null, got {value!r}")
+        resolve_profile(value, default, "")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class CostAwareParams:
+    max_depth: int = attrs.field(default=6, validator=_int_at_least(1))
+    """Most draft levels per step (the tree stops earlier when a level does not pay)."""
+    topk: int = attrs.field(default=4, validator=_int_at_least(1))
+    """Children proposed per expanded node, and the beam width of every level (EAGLE's topk)."""
+    buckets: tuple[int, ...] = attrs.field(default=(4, 6, 8, 12), converter=_as_tuple, validator=_buckets)
+    """ndt buckets (tokens verified, root included): one bank shape each; the largest bounds the budget."""
+    min_keep: int = attrs.field(default=1, validator=_int_at_least(1))
+    """The root's best children verified whatever their value."""
+    fill_buckets: bool = False
+    """Verify the next-best nodes up to the bucket's ndt (free where the runtime pads to the bucket,
+    as the CUDA-graph runtime does; on the eager runtime every verified token costs)."""
+    profile: str | None = attrs.field(default=None, validator=_file(DEFAULT_COST_PROFILE))
+    """Cost profile (``adaptivespec calibrate``); null: the shipped CPU profile of the embedded model."""
+    prior: str | None = attrs.field(default=None, validator=_file(DEFAULT_PRIOR))
+    """Calibration prior (``adaptivespec calibrate --prior-out``); null: the shipped one."""
+    prior_weight: float = attrs.field(default=8.0, validator=number_in(0, None, lo_open=True))
+    """Pseudo-observations of the prior in every (depth, log-prob) cell."""
+    decay: float = attrs.field(default=0.998, validator=number_in(0, 1, lo_open=True))
+    """Per-step decay of the online counts (older verify results weigh less)."""
+    breaker_steps: int = attrs.field(default=5, validator=_int_at_least(1))
+    """Consecutive zero-accept steps that trip the circuit breaker."""
+    trace_every: int = attrs.field(default=16, validator=_int_at_least(1))
+    """Steps between two reliability tables in the step trace (and at the first step)."""
+
+    def __attrs_post_init__(self) -> None:
+        top = max(self.buckets)
+        cap = self.topk + (self.max_depth - 1) * self.topk * self.topk
+        if top - 1 > cap:
+            raise ValueError(f"buckets: the largest ({top}) needs {top - 1} drafted nodes; max_depth={self.max_depth}, "
+                             f"topk={self.topk} draft at most {cap}")
+        if self.min_keep > min(self.topk, top - 1):
+            raise ValueError(f"min_keep: expected at most min(topk, max(buckets) - 1) = {min(self.topk, top - 1)}, got {self.min_keep}")
+
+
+class CostAwarePolicy(TreePolicy):
+    """Draft while the next level pays for itself; verify while a node pays for its token (lossless)."""
+
+    name = "cost_aware"
+    Params = CostAwareParams
+    eagle_beam = True
+    """Every level's beam is EAGLE's top-k (drafting may stop early, a subset is verified): its trees
+    are sub-trees of EAGLE's full tree, so ``scripts/shape_oracle.py`` can replay it on those."""
+
+    def __init__(self, params: CostAwareParams | None = None) -> None:
+        super().__init__(params)
+        p = self.params
+        self.cost = CostModel.load(resolve_profile(p.profile, DEFAULT_COST_PROFILE, "profile"))
+        self.calib = CalibrationMap.load(resolve_profile(p.prior, DEFAULT_PRIOR, "prior"),
+                                         prior_weight=p.prior_weight, decay=p.decay)
+        self.buckets = tuple(sorted(set(p.buckets)))
+        self.shape = TreeShape(p.max_depth, p.topk, self.buckets[-1])  # the drafting shape
+        self._bucket_shapes = {b: TreeShape(p.max_depth, p.topk, b) for b in self.buckets}
+        D = self.calib.max_depth + 1
+        # continuation: accepted nodes at depth d - 1 with verified children, and those whose path went on
+        self._cont_n = np.full(D + 1, 4.0)
+        self._cont_a = np.full(D + 1, 2.0)
+        self._steps = 0
+        self.reset()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def shapes(self) -> tuple[TreeShape, ...]:
+        return (self.shape, *(s for b, s in self._bucket_shapes.items() if s != self.shape))
+
+    def reset(self) -> None:
+        """New prompt: the breaker state; what is learnt (map, continuation) carries over."""
+        self._zero_streak = 0
+        self._forced = False
+        self._tripped = False
+        self._levels: list[int] = []
+        self._level_gain: list[float] = []
+        self._values: list[np.ndarray] = []
+        self._stop: str | None = None
+        self._budget = 0
+        self._rate = 0.0
+        self._expected = 0.0
+
+    def next_shape(self, signals: StepSignals) -> TreeShape:
+        return self.shape
+
+    def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
+        """The smallest bucket shape holding a tree of ``n`` nodes (the bank's executor for it)."""
+        for b in self.buckets:
+            if n <= b:
+                return self._bucket_shapes[b]
+        raise ValueError(f"cost_aware: a tree of {n} nodes exceeds the largest bucket {self.buckets[-1]}")
+
+    # -- tree rules --------------------------------------------------------------------------------
+    def _base_ms(self, levels: int, nodes: int) -> float:
+        c = self.cost
+        return c.base_ms() + c.per_draft_level * levels + c.per_draft_node * nodes
+
+    def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
+        if depth == 1:
+            self._levels, self._level_gain, self._values, self._stop = [], [], [], None
+        v = self.calib.values(depth, scores.float())  # host copy of the level's scores: one sync
+        self._values.append(v)
+        self._levels.append(v.shape[0])
+        k = min(shape.topk, v.shape[0])
+        beam = torch.topk(scores, k, sorted=False).indices
+        if depth >= shape.nsteps:
+            self._stop = "max_depth"
+            return None, beam
+        if self._forced:
+            self._stop = "breaker"
+            return None, beam
+        c = self.cost
+        levels, nodes = depth - 1, (depth - 1) * shape.topk  # drafter forwards and nodes run so far
+        pool = np.concatenate(self._values) if depth > 1 else v
+        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=c.per_verified_token,
+                                   min_keep=1, max_keep=self.buckets[-1] - 1)
+        cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
+        # the beam is the level's top-k by score; values are monotone in score at one depth
+        top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
+        gain = float(top.sum()) * cont
+        price = rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
+        self._level_gain.append(gain - price)
+        if gain <= price:
+            self._stop = "cost"
+            return None, beam[:0]
+        return None, beam
+
+    def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
+        values = np.concatenate(self._values)
+        n1 = self._levels[0]
+        cap = self.buckets[-1] - 1
+        levels = len(self._levels) - 1
+        nodes = levels * min(shape.topk, n1)
+        if self._forced:
+            self._forced = False
+            order = torch.sort(scores, descending=True, stable=True).indices
+            k, rate = min(cap, order.shape[0]), 0.0
+            self._budget, self._rate = k + 1, rate
+            self._expected = 1.0 + float(values[order[:k].cpu().numpy()].sum())
+            return order[:k]
+        forced = np.zeros(values.shape[0], dtype=bool)
+        m = min(self.params.min_keep, n1)
+        forced[np.argsort(-values[:n1], kind="stable")[:m]] = True  # depth 1: value order = score order
+        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+                                       min_keep=self.params.min_keep, max_keep=cap, forced=forced)
+        if self.params.fill_buckets:
+            k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
+        kept = order[:k]
+        self._budget, self._rate = k + 1, rate
+        self._expected = 1.0 + float(values[kept].sum())
+        return torch.from_numpy(kept).to(scores.device)
+
+    # -- learning ----------------------------------------------------------------------------------
+    def observe_tree(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Update the calibration map and the continuation rates from one verify result (on the host)."""
+        n = tree.size
+        if n < 2:
+            return
+        depth = tree.depth.cpu().numpy()
+        parents = tree.parents.cpu().numpy()
+        path = np.asarray(result.path)
+        on_path = np.zeros(n, dtype=bool)
+        on_path[path] = True
+        self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
+        children = np.bincount(parents[1:], minlength=n)[path] > 0  # path nodes with verified children
+        went_on = np.arange(path.shape[0]) < path.shape[0] - 1
+        d = np.minimum(depth[path] + 1, self._cont_n.shape[0] - 1)
+        decay = self.params.decay
+        self._cont_n *= decay
+        self._cont_a *= decay
+        np.add.at(self._cont_n, d, children)
+        np.add.at(self._cont_a, d, children & went_on)
+
+    def observe(self, record: StepRecord) -> None:
+        if record.shape is None:
+            return
+        self._steps += 1
+        if record.accepted:
+            self._zero_streak = 0
+            self._tripped = False
+            return
+        self._zero_streak += 1
+        self._tripped = False
+        if self._zero_streak >= self.params.breaker_steps:  # circuit breaker: probe with the full tree
+            self._zero_streak = 0
+            self._forced = self._tripped = True
+
+    def continuation(self) -> list[float]:
+        return (self._cont_a / self._cont_n).tolist()
+
+    def state(self) -> dict[str, Any]:
+        out = {
+            "levels": len(self._levels),
+            "level_widths": list(self._levels),
+            "stop": self._stop,
+            "level_margin": [round(g, 4) for g in self._level_gain],
+            "budget": self._budget,
+            "expected_tokens": round(self._expected, 4),
+            "rate_tok_per_ms": round(self._rate, 5),
+            "breaker_tripped": self._tripped,
+            "zero_streak": self._zero_streak,
+        }
+        if self._steps % self.params.trace_every == 0:
+            out["reliability"] = self.calib.reliability()
+        return out
+
+
+@adaptivespec.hookimpl
+def adaptivespec_register_policies(registry):
+    registry.register(CostAwarePolicy)
