@@ -525,7 +525,11 @@ class GraphedTorchRuntime(TorchRuntime):
 
     name = "torch-cuda-graphs"
 
-    def prepare(self, shapes, capacity: int = 1024):
+    def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0):
+        if extra_rows:  # a static verify is captured for ndt rows; fused trees up to ndt (extra_slots: 0) fit it
+            raise CudaGraphsUnsupportedError(
+                f"runtime.name: torch-cuda-graphs captures verify graphs of ndt rows; a candidate source asks for "
+                f"{extra_rows} extra verify slots; expected extra_slots: 0 in the source, or runtime.name: torch")
         bank = super().prepare(shapes, capacity)
         enable_cuda_graphs(self, max_context=capacity, capture=True)  # on CPU: a clear error, not a silent fallback
         return bank
