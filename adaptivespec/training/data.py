@@ -187,8 +187,8 @@ def distill(model, tok, prompts: list[Prompt], out: Path, *, batch_size: int = 1
     from adaptivespec.models import encode_prompt
 
     done = {r.id: r for r in read_records(out)} if out.is_file() else {}
-    first = [p for p in prompts if p.follow_up is None and p.id not in done]
-    first += [Prompt(f"{p.id}-t1", p.text) for p in prompts if p.follow_up is not None and f"{p.id}-t1" not in done]
+    first = [p if p.follow_up is None else Prompt(f"{p.id}-t1", p.text) for p in prompts]  # in order: a fair sample
+    first = [p for p in first if p.id not in done]
     second = [p for p in prompts if p.follow_up is not None and p.id not in done]
     eos = tok.eos_token_id
     bar = tqdm(total=len(first) + len(second), desc="distill", unit="prompt", disable=not progress)
