@@ -29,6 +29,21 @@ def positive_int(inst: Any, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"expected a positive integer, got {value!r}")
 
 
+def int_at_least(lo: int):
+    """Validator: an integer (not a bool) ``>= lo``."""
+
+    def check(inst: Any, attribute: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ValueError(f"expected an integer >= {lo}, got {value!r}")
+
+    return check
+
+
+def as_tuple(value: Any) -> Any:
+    """Converter: a YAML list becomes a tuple (frozen params stay hashable)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 def number_in(lo: float | None, hi: float | None, *, lo_open: bool = False, hi_open: bool = False):
     """Validator: ``lo <(=) value <(=) hi``; its message writes the interval."""
     text = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"

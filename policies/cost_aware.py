@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import adaptivespec
-from adaptivespec.config import number_in
+from adaptivespec.config import as_tuple, int_at_least, number_in
 from adaptivespec.costmodel import (
     DEFAULT_COST_PROFILE,
     DEFAULT_PRIOR,
@@ -54,18 +54,6 @@ from adaptivespec.costmodel import (
 )
 from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
-
-
-def _int_at_least(lo: int):
-    def check(inst, attribute, value) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise ValueError(f"expected an integer >= {lo}, got {value!r}")
-
-    return check
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _buckets(inst, attribute, value) -> None:
@@ -85,13 +73,13 @@ def _file(default: str):
 
 @attrs.frozen(kw_only=True)
 class CostAwareParams:
-    max_depth: int = attrs.field(default=6, validator=_int_at_least(1))
+    max_depth: int = attrs.field(default=6, validator=int_at_least(1))
     """Most draft levels per step (the tree stops earlier when a level does not pay)."""
-    topk: int = attrs.field(default=4, validator=_int_at_least(1))
+    topk: int = attrs.field(default=4, validator=int_at_least(1))
     """Children proposed per expanded node, and the beam width of every level (EAGLE's topk)."""
-    buckets: tuple[int, ...] = attrs.field(default=(4, 6, 8, 12), converter=_as_tuple, validator=_buckets)
+    buckets: tuple[int, ...] = attrs.field(default=(4, 6, 8, 12), converter=as_tuple, validator=_buckets)
     """ndt buckets (tokens verified, root included): one bank shape each; the largest bounds the budget."""
-    min_keep: int = attrs.field(default=1, validator=_int_at_least(1))
+    min_keep: int = attrs.field(default=1, validator=int_at_least(1))
     """The root's best children verified whatever their value."""
     fill_buckets: bool = False
     """Verify the next-best nodes up to the bucket's ndt (free where the runtime pads to the bucket,
@@ -104,9 +92,9 @@ class CostAwareParams:
     """Pseudo-observations of the prior in every (depth, log-prob) cell."""
     decay: float = attrs.field(default=0.998, validator=number_in(0, 1, lo_open=True))
     """Per-step decay of the online counts (older verify results weigh less)."""
-    breaker_steps: int = attrs.field(default=5, validator=_int_at_least(1))
+    breaker_steps: int = attrs.field(default=5, validator=int_at_least(1))
     """Consecutive zero-accept steps that trip the circuit breaker."""
-    trace_every: int = attrs.field(default=16, validator=_int_at_least(1))
+    trace_every: int = attrs.field(default=16, validator=int_at_least(1))
     """Steps between two reliability tables in the step trace (and at the first step)."""
 
     def __attrs_post_init__(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 import adaptivespec
-from adaptivespec.config import number_in, one_of
+from adaptivespec.config import as_tuple, int_at_least, number_in, one_of
 from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import StepRecord, StepSignals, TreeShape
 
@@ -26,18 +26,6 @@ START_LEVEL = {"wide": 0.0, "middle": 0.5, "deep": 1.0}
 def _finite(inst, attribute, value) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {value!r}")
-
-
-def _int_at_least(lo: int):
-    def check(inst, attribute, value) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise ValueError(f"expected an integer >= {lo}, got {value!r}")
-
-    return check
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _tree_shape(inst, attribute, value) -> None:
@@ -62,13 +50,13 @@ class DcsParams:
     accept at most, history no longer argues for shallow trees. Smaller d biases toward deep."""
     weight: float = attrs.field(default=0.5, validator=[_finite, number_in(0, 1)])
     """Fusion weight of draft confidence; history gets 1 - weight."""
-    wide: tuple[int, int, int] = attrs.field(default=(3, 4, 4), converter=_as_tuple, validator=_tree_shape)
+    wide: tuple[int, int, int] = attrs.field(default=(3, 4, 4), converter=as_tuple, validator=_tree_shape)
     """``[nsteps, topk, ndt]`` chosen at DCS = 0 (uncertain draft: shallow and wide)."""
-    deep: tuple[int, int, int] = attrs.field(default=(7, 1, 8), converter=_as_tuple, validator=_tree_shape)
+    deep: tuple[int, int, int] = attrs.field(default=(7, 1, 8), converter=as_tuple, validator=_tree_shape)
     """``[nsteps, topk, ndt]`` chosen at DCS = 1 (confident draft: deep and narrow)."""
-    levels: int = attrs.field(default=5, validator=_int_at_least(2))
+    levels: int = attrs.field(default=5, validator=int_at_least(2))
     """DCS bins, i.e. evenly spaced shapes from ``wide`` to ``deep`` (fewer if rounding merges some)."""
-    breaker_steps: int = attrs.field(default=5, validator=_int_at_least(1))
+    breaker_steps: int = attrs.field(default=5, validator=int_at_least(1))
     """Consecutive zero-accept steps that trip the circuit breaker (the paper: 5)."""
     start: str = attrs.field(default="middle", validator=one_of(*START_LEVEL))
     """Shape of a sequence's first step and of the step after a breaker trip: the shape selected

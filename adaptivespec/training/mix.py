@@ -151,31 +151,31 @@ def _rag(root: Path, rng: random.Random) -> list[Prompt]:
     return out
 
 
+def _joined(texts: list[str], lo: int, hi: int, rng: random.Random):
+    """``(first, last, wanted length, text)``: consecutive ``texts`` joined by blank lines until a length
+    drawn in ``[lo, hi]`` (one draw per group, before the group is built) is reached."""
+    i = 0
+    while i < len(texts):
+        want, parts, start = rng.randint(lo, hi), [], i
+        while i < len(texts) and sum(map(len, parts)) < want:
+            parts.append(texts[i])
+            i += 1
+        yield start, i - 1, want, "\n\n".join(parts)
+
+
 def _summarize(root: Path, rng: random.Random) -> list[Prompt]:
     out = _t0(root, "summarize")
     lo, hi = (int(t * CHARS_PER_TOKEN) for t in SUMMARY_TOKENS)
     # scitldr: consecutive abstracts joined until a drawn length in [lo, hi] is reached
-    abstracts = [r["text"] for r in _rows(root, "train/scitldr_abstracts.jsonl")]
-    i = 0
-    while i < len(abstracts):
-        want, parts, start = rng.randint(lo, hi), [], i
-        while i < len(abstracts) and sum(map(len, parts)) < want:
-            parts.append(abstracts[i])
-            i += 1
+    for start, end, want, text in _joined([r["text"] for r in _rows(root, "train/scitldr_abstracts.jsonl")], lo, hi, rng):
         template = SUMMARY_TEMPLATES[rng.randrange(len(SUMMARY_TEMPLATES))]
-        out.append(Prompt(f"summarize-scitldr-{start}-{i - 1}", template.format(text=_cut("\n\n".join(parts), hi))))
+        out.append(Prompt(f"summarize-scitldr-{start}-{end}", template.format(text=_cut(text, hi))))
     # long_docs: one document (or several short ones) cut to a drawn length
-    docs = [r["text"].strip() for r in _rows(root, "train/long_docs.jsonl")]
-    i = 0
-    while i < len(docs):
-        want, parts, start = rng.randint(lo, hi), [], i
-        while i < len(docs) and sum(map(len, parts)) < want:
-            parts.append(docs[i])
-            i += 1
-        text = _cut("\n\n".join(parts), want)
+    for start, end, want, text in _joined([r["text"].strip() for r in _rows(root, "train/long_docs.jsonl")], lo, hi, rng):
+        text = _cut(text, want)
         if len(text) >= lo // 2:
             template = SUMMARY_TEMPLATES[rng.randrange(len(SUMMARY_TEMPLATES))]
-            out.append(Prompt(f"summarize-longdocs-{start}-{i - 1}", template.format(text=text)))
+            out.append(Prompt(f"summarize-longdocs-{start}-{end}", template.format(text=text)))
     return out
 
 
