@@ -234,7 +234,8 @@ def test_bad_params_name_the_key(tmp_path):
 
 def test_shipped_defaults_load():
     pol = CostAwarePolicy()
-    assert pol.cost.fixed > 0 and pol.cost.meta["calibrate_command"].startswith("adaptivespec calibrate")
+    assert pol.cost.fixed > 0 and pol.cost.meta["command"].startswith("adaptivespec calibrate")
+    assert pol.cost.meta["fit"]["mean_abs_rel_error"] < 0.1  # the shipped profile is a calibrate run, and fits
     assert pol.shape in pol.shapes() and max(s.ndt for s in pol.shapes()) == max(pol.params.buckets)
 
 
