@@ -108,6 +108,15 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     ids, ref = greedy_reference(PROMPTS[0], 32)
     assert engine.generate_ids(ids, max_new_tokens=32).token_ids == ref
 
+    # --init-from the shipped head: same data, a new draft vocabulary; it starts far below a random init
+    if (SHIPPED / "config.json").is_file():
+        warm = tmp_path / "warm"
+        argv = [*common, "--steps", "1", "--distilled", str(out / "training" / "distill.jsonl"), "--init-from", "embedded"]
+        assert run_cli([a if a != str(out) else str(warm) for a in argv]) == 0
+        first = [json.loads(x) for x in (warm / "training" / "log.jsonl").read_text().splitlines() if '"train"' in x][0]
+        assert first["loss"] < 0.7 * train[0]["loss"]
+        assert json.loads((warm / "training" / "run.json").read_text())["init_from"] == "embedded"
+
 
 # -- the shipped head -----------------------------------------------------------------------------
 @pytest.mark.model
@@ -143,3 +152,51 @@ def test_model_card_lists_every_validation_and_resume(tmp_path):
     assert "0.100" not in text  # the step validated twice keeps its last measurement
     assert "resumed at step 5 (budget `20m`)" in text and "steps 9, training tokens 180" in text
     assert "| 2 fixed | (5, 1, 6) | 2.500 |" in text
+
+
+# -- warm start: --init-from ----------------------------------------------------------------------
+def _tiny_target(hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    return LlamaForCausalLM._from_config(cfg, dtype=torch.float32).eval()
+
+
+def test_warm_start_carries_weights_and_output_rows_by_token_id():
+    from adaptivespec.drafter import Eagle3Drafter
+
+    target = _tiny_target()
+    source = Eagle3Drafter.random_init(target, 100, seed=1)
+    source.set_vocab(torch.arange(0, 200, 2))  # even target ids
+    fresh = Eagle3Drafter.random_init(target, 100, seed=2)
+    new_ids = torch.arange(100, 200)  # 50 of them even (held by the source), 50 odd (new)
+    fresh.set_vocab(new_ids)
+    before = fresh.lm_head.weight.detach().clone()
+    info = cli.warm_start(fresh, source)
+    assert info == {"copied_rows": 50, "new_rows": 50}
+    for name, p in fresh.named_parameters():
+        if name != "lm_head.weight":
+            assert torch.equal(p, dict(source.named_parameters())[name]), name
+    for row, tid in enumerate(new_ids.tolist()):
+        want = source.lm_head.weight[tid // 2] if tid % 2 == 0 else before[row]
+        assert torch.equal(fresh.lm_head.weight[row], want), tid
+    # the draft vocabulary itself is the new one
+    assert torch.equal(fresh.d2t + torch.arange(100), new_ids)
+
+
+def test_warm_start_refuses_a_head_of_another_geometry():
+    from adaptivespec.drafter import Eagle3Drafter
+
+    fresh = Eagle3Drafter.random_init(_tiny_target(64), 50, seed=0)
+    other = Eagle3Drafter.random_init(_tiny_target(32), 50, seed=0)
+    with pytest.raises(AdaptiveSpecError, match=r"--init-from: the head's .* has shape .*; expected"):
+        cli.warm_start(fresh, other)
+
+
+def test_init_from_a_missing_head_is_a_one_line_error(tmp_path, capsys):
+    nohead = tmp_path / "nohead"
+    assert run_cli(["--out", str(tmp_path / "o"), "--quiet", "--init-from", str(nohead)]) == AdaptiveSpecError.exit_code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--init-from" in err and str(nohead) in err and "expected" in err, err

@@ -134,7 +134,9 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
                ", target hidden states recomputed each batch (no-grad bf16 forward)")
             + ", head trained in fp32 under bf16 autocast; "
             f"AdamW (peak lr {settings['lr']}, warmup {settings['warmup']} steps, cosine to "
-            f"{settings['min_lr_ratio']}x), gradient clip {settings['clip']}, {settings['batch_tokens']} tokens per batch.", "",
+            f"{settings['min_lr_ratio']}x), gradient clip {settings['clip']}, {settings['batch_tokens']} tokens per batch."
+            + (f" Initialised from the head `{_shown(settings['init_from']) if settings['init_from'] != 'embedded' else 'embedded'}` "
+               "(output rows carried over by target token id) instead of a random init." if settings.get("init_from") else ""), "",
             f"- steps {last.get('step', '?')}, training tokens {last.get('tokens', 0):,} "
             f"(epoch {last.get('epoch', '?')}, batch {last.get('index', '?')}), "
             f"{last.get('seconds', 0) / 3600:.2f} h of training steps; log from {first_time} to {last_time}",

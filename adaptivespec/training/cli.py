@@ -33,7 +33,8 @@ from adaptivespec.training.data import DATA_ROOT
 DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
 KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
-                  "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk")
+                  "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk",
+                  "init_from")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
 
@@ -79,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--val-max-tokens", type=int, default=12000, help="validation tokens evaluated per checkpoint")
     a("--checkpoint-minutes", type=float, default=15.0, help="minutes between checkpoints / exports")
     a("--resume", action="store_true", help="continue from <out>/training/checkpoint.pt")
+    a("--init-from", metavar="HEAD", help="start from this head's weights instead of a random init (a head folder or "
+      "'embedded'); its output rows are carried over by target token id into the new draft vocabulary")
     a("--threads", type=int, help="torch intra-op threads")
     a("--seed", type=int, default=0, help="init, split and batch-order seed")
     a("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the target forward")
@@ -127,6 +130,15 @@ def check_args(args) -> None:
     if not args.resume and ckpt.is_file():
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
+    if getattr(args, "init_from", None):
+        from adaptivespec.drafter import resolve_drafter_path
+        from adaptivespec.errors import ModelLoadError
+
+        try:
+            resolve_drafter_path(args.init_from)
+        except ModelLoadError as e:
+            raise AdaptiveSpecError(f"--init-from: {str(args.init_from)!r} is not a head; expected a folder with "
+                                    "config.json + model.safetensors (EAGLE-3 layout) or 'embedded'") from None
     if args.build_cache_only and args.feature_cache is None:
         raise AdaptiveSpecError("--build-cache-only: no --feature-cache given; expected --feature-cache DIR to build")
     if args.feature_cache is not None and args.feature_cache.exists() and not args.feature_cache.is_dir():
@@ -190,6 +202,32 @@ def build_drafter(target, vocab_ids: torch.Tensor, seed: int):
     d = Eagle3Drafter.random_init(target, int(vocab_ids.shape[0]), seed=seed).float()
     d.set_vocab(vocab_ids)
     return d
+
+
+def warm_start(drafter, source, what: str = "--init-from") -> dict:
+    """Copy ``source``'s weights into ``drafter`` (same head geometry, draft vocabularies may differ).
+
+    Every parameter but the output layer is copied as is; the output layer's row of each target
+    token both draft vocabularies hold is copied, the others keep ``drafter``'s initialisation.
+    Returns ``{"copied_rows", "new_rows"}``."""
+    src = dict(source.named_parameters())
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name == "lm_head.weight":
+                continue
+            if name not in src or src[name].shape != p.shape:
+                shape = None if name not in src else tuple(src[name].shape)
+                raise AdaptiveSpecError(f"{what}: the head's {name} has shape {shape}; expected {tuple(p.shape)} "
+                                        "(a head of the same geometry for this target)")
+            p.copy_(src[name].to(p.dtype))
+        new_ids = torch.arange(drafter.d2t.shape[0]) + drafter.d2t.cpu()
+        src_ids = torch.arange(source.d2t.shape[0]) + source.d2t.cpu()
+        row_of = torch.full((int(max(new_ids.max(), src_ids.max())) + 1,), -1, dtype=torch.long)
+        row_of[src_ids] = torch.arange(src_ids.shape[0])
+        rows = row_of[new_ids]
+        have = rows >= 0
+        drafter.lm_head.weight[have] = source.lm_head.weight[rows[have]].to(drafter.lm_head.weight.dtype)
+    return {"copied_rows": int(have.sum()), "new_rows": int((~have).sum())}
 
 
 def vocabulary(args, train, val, vocab_size: int, hidden: int) -> torch.Tensor:
@@ -265,6 +303,17 @@ def run(args) -> int:
     if args.build_cache_only:
         return 0
     drafter = build_drafter(target, vocab_ids, args.seed)
+    if args.init_from and not args.resume:
+        from adaptivespec.drafter import Eagle3Drafter
+        from adaptivespec.errors import ModelLoadError
+
+        try:
+            source = Eagle3Drafter.from_pretrained(args.init_from, target, dtype=torch.float32)
+        except ModelLoadError as e:
+            raise AdaptiveSpecError(f"--init-from: {str(e).removeprefix('model.drafter: ')}") from None
+        info = warm_start(drafter, source)
+        print(f"train-drafter: --init-from {args.init_from}: weights copied, output rows {info['copied_rows']} carried "
+              f"over by token id, {info['new_rows']} new", file=sys.stderr, flush=True)
     seconds, tokens = parse_budget(args.budget)
     epochs = args.epochs if (args.epochs or args.steps or args.budget) else 1.0
     cfg = TrainConfig(out=args.out, k_steps=args.ttt_steps, decay=args.decay, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
