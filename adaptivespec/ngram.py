@@ -61,6 +61,18 @@ class CandidateTrie:
             out.append((t,) if p < 0 else out[p] + (t,))
         return out
 
+    def pruned(self, min_score: float) -> "CandidateTrie":
+        """The nodes scoring at least ``min_score`` (scores never grow down a path, so the kept
+        nodes are closed under ancestors; a node whose parent is dropped is dropped too)."""
+        remap: dict[int, int] = {-1: -1}
+        out = CandidateTrie(total=self.total)
+        for i, (t, p, c, m, s) in enumerate(zip(self.tokens, self.parents, self.counts, self.match, self.scores)):
+            if s >= min_score and p in remap:
+                remap[i] = len(out.tokens)
+                out.tokens.append(t), out.parents.append(remap[p]), out.counts.append(c), out.match.append(m)
+                out.scores.append(s)
+        return out
+
     def child(self, parent: int, token: int) -> int:
         """Index of ``parent``'s child holding ``token`` (``parent=-1``: the root), or -1."""
         for i, (t, p) in enumerate(zip(self.tokens, self.parents)):

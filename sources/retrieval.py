@@ -62,6 +62,9 @@ class RetrievalParams:
     """Skip the head's draft passes when the match is at least this long (null: never)."""
     cache_tokens: int = attrs.field(default=0, validator=_non_negative_int)
     """Tokens of earlier outputs kept for later prompts of the same engine (0: off)."""
+    min_score: float = attrs.field(default=0.0, validator=number_in(0, 1, hi_open=True))
+    """Proposed nodes whose estimated acceptance is below this are dropped (0: keep all; a node's
+    verify slot costs about ``per_verified_token / (step time / tokens per step)`` of a token)."""
     prior: float = attrs.field(default=0.5, validator=number_in(0, 1, lo_open=True, hi_open=True))
     """Acceptance rate assumed for a match length before any step measured it."""
 
@@ -126,7 +129,9 @@ class RetrievalSource(CandidateSource):
         for i, (par, c) in enumerate(zip(trie.parents, trie.counts)):
             share = c / (trie.total if par < 0 else trie.counts[par])
             score[i] = (1.0 if par < 0 else score[par]) * share * self.rate(trie.match[i] + depth[i] - 1)
-        return trie
+        if p.min_score > 0:
+            trie = trie.pruned(p.min_score)
+        return trie if len(trie) else None
 
     def observe(self, trie: CandidateTrie, tokens: list[int]) -> None:
         """Walk the target's tokens down the trie: one trial per level that had children."""

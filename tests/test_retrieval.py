@@ -113,6 +113,25 @@ def test_source_proposes_real_continuations_with_count_probabilities():
     assert first[9] == pytest.approx(2 / 3 * src.rate(1)) and first[8] == pytest.approx(1 / 3 * src.rate(1))
 
 
+def test_min_score_drops_unlikely_nodes_and_keeps_ancestors():
+    seq = [1, 9, 4, 4, 1, 9, 4, 5, 1, 8, 6, 1]  # "1" -> 9 4 4 / 9 4 5 / 8 6
+    full = RetrievalSource(RetrievalParams(max_ngram=4, max_depth=3, max_nodes=50))
+    full.reset(seq)
+    every = full.propose()
+    cut = RetrievalSource(RetrievalParams(max_ngram=4, max_depth=3, max_nodes=50, min_score=0.1))
+    cut.reset(seq)
+    kept = cut.propose()
+    want = {path: s for path, s in zip(every.paths(), every.scores) if s >= 0.1}
+    assert dict(zip(kept.paths(), kept.scores)) == pytest.approx(want)
+    assert 0 < len(kept) < len(every)
+    assert all(p < i for i, p in enumerate(kept.parents))  # topological, every parent kept
+    assert set(kept.paths()) == {path[:d] for path in kept.paths() for d in range(1, len(path) + 1)}
+    # nothing left: no proposal at all (a plain step)
+    none = RetrievalSource(RetrievalParams(max_ngram=4, max_depth=3, min_score=0.9))
+    none.reset(seq)
+    assert none.propose() is None
+
+
 def test_acceptance_rates_are_learned_per_match_length():
     src = RetrievalSource(RetrievalParams(max_ngram=4, prior=0.5))
     src.reset([1, 2, 3, 4, 1, 2])
