@@ -56,6 +56,10 @@ from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
 
 
+LOOKAHEAD = 2
+"""Default ``lookahead`` of the level rule (levels)."""
+
+
 def _buckets(inst, attribute, value) -> None:
     ok = isinstance(value, tuple) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 2 for v in value)
     if not ok:
@@ -96,6 +100,11 @@ class CostAwareParams:
     """Consecutive zero-accept steps that trip the circuit breaker."""
     trace_every: int = attrs.field(default=16, validator=int_at_least(1))
     """Steps between two reliability tables in the step trace (and at the first step)."""
+    lookahead: int = attrs.field(default=LOOKAHEAD, validator=int_at_least(0))
+    """Levels the level rule looks ahead (bounded by the levels left to ``max_depth``): 0 is the
+    myopic rule (the next level priced with all its beam children verified); L >= 1 weighs the
+    next L levels, each beam node's path continued at the learned continuation rates and only the
+    nodes that pay for their verified token counted."""
 
     def __attrs_post_init__(self) -> None:
         top = max(self.buckets)
@@ -148,6 +157,9 @@ class CostAwarePolicy(TreePolicy):
         self._budget = 0
         self._rate = 0.0
         self._expected = 0.0
+        self._head = None  # the head tree's (depth, draft log-prob) on the host, while fusing it
+        self._fused = None  # (head node of every fused node, head arrays) until observe_tree
+        self._source_nodes = 0
 
     def next_shape(self, signals: StepSignals) -> TreeShape:
         return self.shape
@@ -167,6 +179,7 @@ class CostAwarePolicy(TreePolicy):
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
+            self._source_nodes, self._head = 0, None
         v = self.calib.values(depth, scores.float())  # host copy of the level's scores: one sync
         self._values.append(v)
         self._levels.append(v.shape[0])
@@ -183,16 +196,35 @@ class CostAwarePolicy(TreePolicy):
         pool = np.concatenate(self._values) if depth > 1 else v
         _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=c.per_verified_token,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
-        cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
         # the beam is the level's top-k by score; values are monotone in score at one depth
         top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
-        gain = float(top.sum()) * cont
-        price = rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
-        self._level_gain.append(gain - price)
-        if gain <= price:
+        if self.params.lookahead:
+            margin = self._lookahead_margin(top, depth, shape.nsteps - depth, rate)
+        else:  # myopic: the next level alone, every beam child verified
+            cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
+            gain = float(top.sum()) * cont
+            margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
+        self._level_gain.append(margin)
+        if margin <= 0:
             self._stop = "cost"
             return None, beam[:0]
         return None, beam
+
+    def _lookahead_margin(self, beam_values: np.ndarray, depth: int, levels_left: int, rate: float) -> float:
+        """Best net tokens (expected tokens gained minus the time spent, at ``rate`` tokens/ms) of
+        drafting the next 1..L levels, L = min(lookahead, levels_left).
+
+        Each beam node's path is continued one node per level at the learned continuation rates
+        (``value x cont[d+1] x ... x cont[d+j]``, a geometric tail when the rates are equal); a
+        continued node is verified only where its value pays for its token (``per_verified_token x
+        rate``); every level costs a drafter forward over the beam. A handful of numpy ops on a
+        [beam, L] array."""
+        c, L = self.cost, min(self.params.lookahead, levels_left)
+        idx = np.minimum(np.arange(depth + 1, depth + 1 + L), self._cont_n.shape[0] - 1)  # deeper ones share the last
+        reach = np.cumprod(self._cont_a[idx] / self._cont_n[idx])  # [L] P(path goes on j more levels)
+        surplus = np.maximum(beam_values[:, None] * reach[None, :] - rate * c.per_verified_token, 0.0).sum(0)
+        draft = rate * (c.per_draft_level + beam_values.shape[0] * c.per_draft_node)
+        return float(np.cumsum(surplus - draft).max())
 
     def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
         values = np.concatenate(self._values)
@@ -219,19 +251,68 @@ class CostAwarePolicy(TreePolicy):
         self._expected = 1.0 + float(values[kept].sum())
         return torch.from_numpy(kept).to(scores.device)
 
+    # -- fusion with candidate sources (retrieval) -------------------------------------------------
+    def fusion_scores(self, head: DraftTree) -> list[float]:
+        """The head's nodes valued like in :meth:`select_final` (calibrated acceptance by depth and
+        cumulative draft log-prob): the scale of the sources' scores (estimated acceptance)."""
+        depth, logp = torch.stack([head.depth[1:].float(), head.draft_logp[1:].float()]).cpu().numpy()
+        depth = depth.astype(np.int64)
+        self._head = (depth, logp)
+        return [1.0, *self.calib.values(depth, logp).tolist()]
+
+    def fusion_size(self, ranking) -> int:
+        """The budget rule on the fused ranking: its best tokens/ms prefix, the root's ``min_keep``
+        best children included, at most ``ranking.budget - 1`` (the bank's rows, extra slots too)."""
+        v = np.asarray(ranking.scores, dtype=np.float64)
+        cap = min(ranking.budget - 1, v.shape[0])
+        first = np.flatnonzero(ranking.first_level)
+        m = min(self.params.min_keep, first.shape[0])
+        lo = int(first[m - 1]) + 1 if m else 0  # ranks are non-increasing: the best children come first
+        levels = max(len(self._levels) - 1, 0) if self._head is not None else 0  # drafter forwards this step
+        nodes = levels * min(self.params.topk, self._levels[0]) if levels else 0
+        _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+                                   min_keep=min(lo, cap), max_keep=cap)
+        if self.params.fill_buckets and k + 1 <= self.buckets[-1]:
+            k = min(self.verify_shape(self.shape, k + 1).ndt - 1, cap)
+        index, head = np.asarray(ranking.index[:k]), np.asarray(ranking.head_index[:k], dtype=np.int64)
+        fused_head = np.concatenate([[0], head[np.argsort(index, kind="stable")]])  # per fused node; -1: a source's
+        self._fused = (fused_head, self._head)
+        self._head = None
+        self._budget, self._rate = k + 1, rate
+        self._expected = 1.0 + float(v[:k].sum())
+        self._source_nodes = int((head < 0).sum())
+        return k
+
     # -- learning ----------------------------------------------------------------------------------
     def observe_tree(self, tree: DraftTree, result: VerifyResult) -> None:
-        """Update the calibration map and the continuation rates from one verify result (on the host)."""
+        """Update the calibration map and the continuation rates from one verify result (on the host).
+
+        A fused tree (head + sources' candidates) teaches from its head nodes only, with their own
+        depths and draft log-probs: the sources' scores are not draft probabilities."""
         n = tree.size
+        fused, self._fused = self._fused, None
         if n < 2:
             return
         depth = tree.depth.cpu().numpy()
         parents = tree.parents.cpu().numpy()
         path = np.asarray(result.path)
-        on_path = np.zeros(n, dtype=bool)
-        on_path[path] = True
-        self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
-        children = np.bincount(parents[1:], minlength=n)[path] > 0  # path nodes with verified children
+        if fused is not None and fused[0].shape[0] == n:
+            head_of, head = fused
+            is_head = head_of >= 0
+            path = path[: int(np.argmin(is_head[path])) if not is_head[path].all() else path.shape[0]]  # head prefix
+            nodes = np.flatnonzero(is_head[1:]) + 1
+            if head is None or nodes.shape[0] == 0:
+                return
+            on_path = np.zeros(n, dtype=bool)
+            on_path[path] = True
+            h = head_of[nodes] - 1  # index into the head's arrays (root excluded)
+            self.calib.update(head[0][h], head[1][h], on_path[nodes])
+            parents = np.where(is_head, parents, -1)  # source nodes are nobody's verified children here
+        else:
+            on_path = np.zeros(n, dtype=bool)
+            on_path[path] = True
+            self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
+        children = np.bincount(parents[1:] + 1, minlength=n + 1)[path + 1] > 0  # path nodes with verified children
         went_on = np.arange(path.shape[0]) < path.shape[0] - 1
         d = np.minimum(depth[path] + 1, self._cont_n.shape[0] - 1)
         decay = self.params.decay
@@ -266,6 +347,7 @@ class CostAwarePolicy(TreePolicy):
             "budget": self._budget,
             "expected_tokens": round(self._expected, 4),
             "rate_tok_per_ms": round(self._rate, 5),
+            "source_nodes": self._source_nodes,
             "breaker_tripped": self._tripped,
             "zero_streak": self._zero_streak,
         }
