@@ -10,12 +10,18 @@ every decision into tokens per millisecond:
 
 * **level rule** (``select_level``, after each level is scored): with ``R`` the best expected
   tokens/ms of a tree cut here (:func:`~adaptivespec.costmodel.rank_by_value` over the pool so
-  far), the next level is drafted only if the tokens it is expected to add pay for it::
+  far), ``b`` the beam width, ``v_i`` the beam's values and ``cont[d]`` the observed probability
+  that an accepted node at depth ``d - 1`` with verified children has one accepted (online, same
+  stream as the map), the next level is drafted when, looking ``L = min(lookahead, levels left)``
+  levels ahead, some depth ``j <= L`` gives positive net tokens::
 
-      sum(value of beam nodes) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
+      max_j  sum_{l<=j} [ sum_i max(0, v_i * cont[d+1] * ... * cont[d+l] - R * per_verified_token)
+                          - R * (per_draft_level + b * per_draft_node) ]  >  0
 
-  where ``b`` is the beam width and ``cont[d]`` the observed probability that an accepted node at
-  depth ``d - 1`` with verified children has one accepted (online, same stream as the map);
+  (each beam path continued one node per level, verified only where it pays for its token);
+  ``lookahead: 0`` is the myopic rule, the next level alone with every beam child verified::
+
+      sum(v_i) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
 * **budget rule** (``select_final``): the prefix of the value ranking that maximises expected
   tokens/ms, i.e. a node is verified while its value exceeds the marginal cost of one more
   verified token (``per_verified_token`` x the rate reached), the root's ``min_keep`` best
@@ -28,6 +34,13 @@ every decision into tokens per millisecond:
 * **circuit breaker** (as in ``dcs``): ``breaker_steps`` consecutive zero-accept steps force the
   next step to draft the full tree (``max_depth`` levels, the largest bucket verified), a probe
   that keeps the map fed where it has been too pessimistic.
+
+* **fusion with candidate sources** (``fusion_scores`` / ``fusion_size``, called by
+  :func:`~adaptivespec.fusion.fuse` when a config has ``sources:``): the head's nodes are scored
+  with their calibrated values, on the scale of the sources' scores (estimated acceptance), and
+  the fused ranking is cut by the budget rule above (at most the drafting shape's ndt plus the
+  sources' extra slots); a fused tree of at most the largest bucket takes its bucket's shape. The
+  map and ``cont`` learn from the fused tree's head nodes only.
 
 Values are monotone (a child never above its parent, ties broken by pool order, which puts parents
 first), so every kept set is closed under ancestors. Host syncs per step: one per level and one
@@ -160,6 +173,7 @@ class CostAwarePolicy(TreePolicy):
         self._head = None  # the head tree's (depth, draft log-prob) on the host, while fusing it
         self._fused = None  # (head node of every fused node, head arrays) until observe_tree
         self._source_nodes = 0
+        self._probe = False  # this step's tree is the circuit breaker's probe
 
     def next_shape(self, signals: StepSignals) -> TreeShape:
         return self.shape
@@ -179,7 +193,7 @@ class CostAwarePolicy(TreePolicy):
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
-            self._source_nodes, self._head = 0, None
+            self._source_nodes, self._head, self._probe = 0, None, False
         v = self.calib.values(depth, scores.float())  # host copy of the level's scores: one sync
         self._values.append(v)
         self._levels.append(v.shape[0])
@@ -233,7 +247,7 @@ class CostAwarePolicy(TreePolicy):
         levels = len(self._levels) - 1
         nodes = levels * min(shape.topk, n1)
         if self._forced:
-            self._forced = False
+            self._forced, self._probe = False, True
             order = torch.sort(scores, descending=True, stable=True).indices
             k, rate = min(cap, order.shape[0]), 0.0
             self._budget, self._rate = k + 1, rate
@@ -272,7 +286,9 @@ class CostAwarePolicy(TreePolicy):
         nodes = levels * min(self.params.topk, self._levels[0]) if levels else 0
         _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
                                    min_keep=min(lo, cap), max_keep=cap)
-        if self.params.fill_buckets and k + 1 <= self.buckets[-1]:
+        if self._probe:  # the circuit breaker's probe: every candidate the bank has room for
+            k, rate = cap, 0.0
+        elif self.params.fill_buckets and k + 1 <= self.buckets[-1]:
             k = min(self.verify_shape(self.shape, k + 1).ndt - 1, cap)
         index, head = np.asarray(ranking.index[:k]), np.asarray(ranking.head_index[:k], dtype=np.int64)
         fused_head = np.concatenate([[0], head[np.argsort(index, kind="stable")]])  # per fused node; -1: a source's

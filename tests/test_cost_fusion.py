@@ -317,3 +317,20 @@ def test_static_path_verifies_fused_trees_through_their_buckets(tiny, one_thread
     sizes = {len(t) for t, *_ in runs[True]}
     assert all(len(t) <= s.ndt and s.ndt == min(b for b in (3, 5, 9) if b >= len(t)) for t, s, *_ in runs[True])
     assert max(sizes) <= 9
+
+
+def test_the_breaker_probe_verifies_every_fused_candidate_the_bank_holds(tmp_path):
+    from adaptivespec.testing import draft_with_fake_drafter
+    from adaptivespec.types import StepRecord
+
+    pol = make_policy(tmp_path, level=500.0, token=30.0, breaker_steps=2, buckets=[3, 6], max_depth=4, topk=2)
+    t = trie({(901,): 0.3, (901, 902): 0.2, (903,): 0.1})
+    sizes = []
+    for step in range(4):
+        tree = draft_with_fake_drafter(pol, pol.shape, seed=0)
+        fused = fuse(int(tree.tokens[0]), pol.shape.ndt + 2, pol.shape, tree, candidates=[t], rules=pol)
+        sizes.append(fused.tree.size)
+        pol.observe(StepRecord(step=step, shape=pol.shape, tree_size=fused.tree.size, accepted=0, promoted=0,
+                               new_tokens=1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
+    # expensive tokens: small fused trees, except the probe after two zero-accept steps (the whole budget)
+    assert sizes[0] < 8 and sizes[1] < 8 and sizes[2] == 8 and sizes[3] < 8
