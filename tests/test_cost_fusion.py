@@ -334,3 +334,25 @@ def test_the_breaker_probe_verifies_every_fused_candidate_the_bank_holds(tmp_pat
                                new_tokens=1, draft_ms=0.0, verify_ms=0.0, other_ms=0.0))
     # expensive tokens: small fused trees, except the probe after two zero-accept steps (the whole budget)
     assert sizes[0] < 8 and sizes[1] < 8 and sizes[2] == 8 and sizes[3] < 8
+
+
+def test_plot_trace_draws_the_source_nodes_of_fused_trees(tmp_path):
+    import json
+
+    from adaptivespec.trace import plot_trace
+    from adaptivespec.types import StepRecord
+
+    pol = make_policy(tmp_path, token=0.01)
+    lines = []
+    for step in range(4):
+        shape, h, t = fused_case()
+        fused = fuse(ROOT, 12, shape, h, candidates=[t], rules=pol)
+        pol.observe_tree(fused.tree, VerifyResult(path=[0, 1], tokens=[1, 2]))
+        rec = StepRecord(step=step, shape=fused.tree.shape, tree_size=fused.tree.size, accepted=1, promoted=0,
+                         new_tokens=2, draft_ms=1.0, verify_ms=2.0, other_ms=0.5, policy_state=pol.state())
+        lines.append(json.dumps({"id": "a", **rec.to_dict()}))
+    assert all(json.loads(x)["policy_state"]["source_nodes"] > 0 for x in lines)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    plot_trace(trace, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
