@@ -33,8 +33,8 @@ every decision into tokens per millisecond:
   verified nodes were on the accepted path (vectorised);
 * **circuit breaker** (as in ``dcs``): ``breaker_steps`` consecutive zero-accept steps force the
   next step to draft the full tree (``max_depth`` levels, the largest bucket verified), a probe
-  that keeps the map fed where it has been too pessimistic.
-
+  that keeps the map fed where it has been too pessimistic (with sources, its fused tree takes
+  the whole budget);
 * **fusion with candidate sources** (``fusion_scores`` / ``fusion_size``, called by
   :func:`~adaptivespec.fusion.fuse` when a config has ``sources:``): the head's nodes are scored
   with their calibrated values, on the scale of the sources' scores (estimated acceptance), and
@@ -44,7 +44,7 @@ every decision into tokens per millisecond:
 
 Values are monotone (a child never above its parent, ties broken by pool order, which puts parents
 first), so every kept set is closed under ancestors. Host syncs per step: one per level and one
-for the budget.
+for the budget (and one for the head's values when fusing).
 """
 
 from __future__ import annotations
