@@ -146,7 +146,7 @@ class Engine:
             fused = None
             if any(tries) or tree is None:  # (no drafter and nothing proposed: the root alone, a plain step)
                 budget = shape.ndt + max((s.extra_slots() for s, t in zip(sources, tries) if t), default=0)
-                fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device)
+                fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device, rules=policy)
                 tree = fused.tree
             t_draft = time.perf_counter()
             # 3. verify: one target forward over the tree, then the verifier's rule

@@ -43,6 +43,25 @@ class FusedTree:
         return out
 
 
+@attrs.frozen(kw_only=True)
+class FusionRanking:
+    """The fused candidates, best first, as a policy's :meth:`fusion_size` sees them.
+
+    The fused tree verifies the first ``k`` beside the root, in increasing ``index`` order (parents
+    before children; the head's nodes first, in the head's order)."""
+
+    scores: list[float]
+    """Each candidate's score, capped by its parent's (non-increasing along the ranking)."""
+    index: list[int]
+    """Candidate ids, topological (a parent's id is smaller than its children's)."""
+    first_level: list[bool]
+    """Whether the candidate is a child of the root."""
+    head_index: list[int]
+    """The candidate's node in the head's tree, or -1 (proposed by candidate sources only)."""
+    budget: int
+    """Most nodes the fused tree may have, the root included."""
+
+
 def tree_tensors(tokens: list[int], parents: list[int], logp: list[float], shape: TreeShape, device=None) -> DraftTree:
     """A :class:`DraftTree` from Python lists in topological order (small trees: built on the host)."""
     n = len(tokens)
@@ -73,6 +92,7 @@ def fuse(
     head_scores: Sequence[float] | None = None,
     candidates: Sequence[CandidateTrie | None] = (),
     device=None,
+    rules=None,
 ) -> FusedTree:
     """One verify tree of at most ``budget`` nodes (root included) from the head and the tries.
 
@@ -81,8 +101,14 @@ def fuse(
     ``k``'s trie below the same root, ranked by its ``scores``. ``shape``: recorded on the tree
     (the shape-bank executor whose buffers verify it). The result's ``draft_logp`` is the log of
     each node's score.
+
+    ``rules`` (optional, the tree policy): ``rules.fusion_scores(head)`` gives the head's scores
+    when ``head_scores`` is None, ``rules.fusion_size(ranking)`` how many ranked candidates are
+    kept (at most ``budget - 1``), and a tree of at most ``shape.ndt`` nodes is recorded with
+    ``rules.verify_shape(shape, n)`` (the bank's bucket for it). Each is skipped when absent.
     """
     tokens, parents, origin, score = [root_token], [-1], [0], [math.inf]
+    head_where: list[int] = []  # candidate id of each head node
     key: dict[tuple[int, int], int] = {}
 
     def add(parent: int, token: int, s: float, bit: int) -> int:
@@ -97,10 +123,13 @@ def fuse(
 
     if head is not None and head.size > 1:
         h_tokens, h_parents = torch.stack([head.tokens, head.parents]).tolist()
+        if head_scores is None and getattr(rules, "fusion_scores", None) is not None:
+            head_scores = rules.fusion_scores(head)
         h_scores = list(head_scores) if head_scores is not None else head.draft_logp.exp().tolist()
         where = [0]
         for i in range(1, len(h_tokens)):
             where.append(add(where[h_parents[i]], h_tokens[i], h_scores[i], HEAD))
+        head_where = where
     for k, trie in enumerate(candidates):
         if trie is None:
             continue
@@ -110,7 +139,20 @@ def fuse(
     n = len(tokens)
     for i in range(1, n):  # parents first: a node never outranks its parent
         score[i] = min(score[i], score[parents[i]])
-    keep = sorted(sorted(range(1, n), key=lambda i: (-score[i], i))[: max(budget - 1, 0)])
+    ranked = sorted(range(1, n), key=lambda i: (-score[i], i))
+    k = max(budget - 1, 0)
+    size = getattr(rules, "fusion_size", None)
+    if size is not None and ranked:
+        head_of = [-1] * n
+        for j, i in enumerate(head_where):
+            head_of[i] = j
+        k = min(k, max(int(size(FusionRanking(
+            scores=[score[i] for i in ranked], index=ranked, first_level=[parents[i] == 0 for i in ranked],
+            head_index=[head_of[i] for i in ranked], budget=budget))), 0))
+    keep = sorted(ranked[:k])
+    fit = getattr(rules, "verify_shape", None)
+    if fit is not None and len(keep) + 1 <= shape.ndt:  # beyond ndt: the shape's extra verify rows
+        shape = fit(shape, len(keep) + 1)
     remap = {0: 0, **{old: new for new, old in enumerate(keep, 1)}}
     kept = [0] + keep
     logp = [0.0] + [math.log(score[i]) if score[i] > 0 else -1e30 for i in keep]

@@ -63,6 +63,18 @@ class TreePolicy:
         (policies with a variable verify budget return a smaller bucket); default ``shape``."""
         return shape
 
+    # -- fusion with candidate sources (defaults: fusion's own ranking and budget) --------------
+    def fusion_scores(self, head: DraftTree) -> Any:
+        """Scores of the head tree's nodes when it is fused with candidate tries, on their scale
+        (estimated acceptance of each node's path; one per node, the root's ignored); None: the
+        head's own path probability ``exp(draft_logp)``."""
+        return None
+
+    def fusion_size(self, ranking: Any) -> int:
+        """How many of the fused candidates (a :class:`~adaptivespec.fusion.FusionRanking`, best
+        first) are verified beside the root; at most ``ranking.budget - 1`` (the default)."""
+        return ranking.budget - 1
+
     # -- tree construction rules (EAGLE-2/3 defaults) ----------------------------------------
     def select_level(
         self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int

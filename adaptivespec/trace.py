@@ -85,6 +85,8 @@ def _plot_decisions(ax, ax_rel, x, rows, reliability) -> None:
     ax.step(x, [s.get("levels", nan) for s in st], where="mid", color="tab:blue", label="tree depth (levels drafted)")
     ax.step(x, [s.get("budget", nan) for s in st], where="mid", color="tab:orange", label="verify budget (ndt)")
     ax.plot(x, [s.get("expected_tokens", nan) for s in st], color="tab:green", lw=0.8, label="expected tokens")
+    if any(s.get("source_nodes") for s in st):  # fused trees: verified nodes the candidate sources put forward
+        ax.step(x, [s.get("source_nodes", nan) for s in st], where="mid", color="tab:purple", lw=0.8, label="source nodes verified")
     trips = [i for i, s in zip(x, st) if s.get("breaker_tripped")]
     if trips:
         ax.scatter(trips, [0] * len(trips), marker="x", color="tab:red", label="breaker")

@@ -10,12 +10,18 @@ every decision into tokens per millisecond:
 
 * **level rule** (``select_level``, after each level is scored): with ``R`` the best expected
   tokens/ms of a tree cut here (:func:`~adaptivespec.costmodel.rank_by_value` over the pool so
-  far), the next level is drafted only if the tokens it is expected to add pay for it::
+  far), ``b`` the beam width, ``v_i`` the beam's values and ``cont[d]`` the observed probability
+  that an accepted node at depth ``d - 1`` with verified children has one accepted (online, same
+  stream as the map), the next level is drafted when, looking ``L = min(lookahead, levels left)``
+  levels ahead, some depth ``j <= L`` gives positive net tokens::
 
-      sum(value of beam nodes) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
+      max_j  sum_{l<=j} [ sum_i max(0, v_i * cont[d+1] * ... * cont[d+l] - R * per_verified_token)
+                          - R * (per_draft_level + b * per_draft_node) ]  >  0
 
-  where ``b`` is the beam width and ``cont[d]`` the observed probability that an accepted node at
-  depth ``d - 1`` with verified children has one accepted (online, same stream as the map);
+  (each beam path continued one node per level, verified only where it pays for its token);
+  ``lookahead: 0`` is the myopic rule, the next level alone with every beam child verified::
+
+      sum(v_i) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
 * **budget rule** (``select_final``): the prefix of the value ranking that maximises expected
   tokens/ms, i.e. a node is verified while its value exceeds the marginal cost of one more
   verified token (``per_verified_token`` x the rate reached), the root's ``min_keep`` best
@@ -27,11 +33,18 @@ every decision into tokens per millisecond:
   verified nodes were on the accepted path (vectorised);
 * **circuit breaker** (as in ``dcs``): ``breaker_steps`` consecutive zero-accept steps force the
   next step to draft the full tree (``max_depth`` levels, the largest bucket verified), a probe
-  that keeps the map fed where it has been too pessimistic.
+  that keeps the map fed where it has been too pessimistic (with sources, its fused tree takes
+  the whole budget);
+* **fusion with candidate sources** (``fusion_scores`` / ``fusion_size``, called by
+  :func:`~adaptivespec.fusion.fuse` when a config has ``sources:``): the head's nodes are scored
+  with their calibrated values, on the scale of the sources' scores (estimated acceptance), and
+  the fused ranking is cut by the budget rule above (at most the drafting shape's ndt plus the
+  sources' extra slots); a fused tree of at most the largest bucket takes its bucket's shape. The
+  map and ``cont`` learn from the fused tree's head nodes only.
 
 Values are monotone (a child never above its parent, ties broken by pool order, which puts parents
 first), so every kept set is closed under ancestors. Host syncs per step: one per level and one
-for the budget.
+for the budget (and one for the head's values when fusing).
 """
 
 from __future__ import annotations
@@ -54,6 +67,10 @@ from adaptivespec.costmodel import (
 )
 from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
+
+
+LOOKAHEAD = 2
+"""Default ``lookahead`` of the level rule (levels)."""
 
 
 def _buckets(inst, attribute, value) -> None:
@@ -96,6 +113,11 @@ class CostAwareParams:
     """Consecutive zero-accept steps that trip the circuit breaker."""
     trace_every: int = attrs.field(default=16, validator=int_at_least(1))
     """Steps between two reliability tables in the step trace (and at the first step)."""
+    lookahead: int = attrs.field(default=LOOKAHEAD, validator=int_at_least(0))
+    """Levels the level rule looks ahead (bounded by the levels left to ``max_depth``): 0 is the
+    myopic rule (the next level priced with all its beam children verified); L >= 1 weighs the
+    next L levels, each beam node's path continued at the learned continuation rates and only the
+    nodes that pay for their verified token counted."""
 
     def __attrs_post_init__(self) -> None:
         top = max(self.buckets)
@@ -148,6 +170,10 @@ class CostAwarePolicy(TreePolicy):
         self._budget = 0
         self._rate = 0.0
         self._expected = 0.0
+        self._head = None  # the head tree's (depth, draft log-prob) on the host, while fusing it
+        self._fused = None  # (head node of every fused node, head arrays) until observe_tree
+        self._source_nodes = 0
+        self._probe = False  # this step's tree is the circuit breaker's probe
 
     def next_shape(self, signals: StepSignals) -> TreeShape:
         return self.shape
@@ -167,6 +193,7 @@ class CostAwarePolicy(TreePolicy):
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
+            self._source_nodes, self._head, self._probe = 0, None, False
         v = self.calib.values(depth, scores.float())  # host copy of the level's scores: one sync
         self._values.append(v)
         self._levels.append(v.shape[0])
@@ -183,16 +210,35 @@ class CostAwarePolicy(TreePolicy):
         pool = np.concatenate(self._values) if depth > 1 else v
         _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=c.per_verified_token,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
-        cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
         # the beam is the level's top-k by score; values are monotone in score at one depth
         top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
-        gain = float(top.sum()) * cont
-        price = rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
-        self._level_gain.append(gain - price)
-        if gain <= price:
+        if self.params.lookahead:
+            margin = self._lookahead_margin(top, depth, shape.nsteps - depth, rate)
+        else:  # myopic: the next level alone, every beam child verified
+            cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
+            gain = float(top.sum()) * cont
+            margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
+        self._level_gain.append(margin)
+        if margin <= 0:
             self._stop = "cost"
             return None, beam[:0]
         return None, beam
+
+    def _lookahead_margin(self, beam_values: np.ndarray, depth: int, levels_left: int, rate: float) -> float:
+        """Best net tokens (expected tokens gained minus the time spent, at ``rate`` tokens/ms) of
+        drafting the next 1..L levels, L = min(lookahead, levels_left).
+
+        Each beam node's path is continued one node per level at the learned continuation rates
+        (``value x cont[d+1] x ... x cont[d+j]``, a geometric tail when the rates are equal); a
+        continued node is verified only where its value pays for its token (``per_verified_token x
+        rate``); every level costs a drafter forward over the beam. A handful of numpy ops on a
+        [beam, L] array."""
+        c, L = self.cost, min(self.params.lookahead, levels_left)
+        idx = np.minimum(np.arange(depth + 1, depth + 1 + L), self._cont_n.shape[0] - 1)  # deeper ones share the last
+        reach = np.cumprod(self._cont_a[idx] / self._cont_n[idx])  # [L] P(path goes on j more levels)
+        surplus = np.maximum(beam_values[:, None] * reach[None, :] - rate * c.per_verified_token, 0.0).sum(0)
+        draft = rate * (c.per_draft_level + beam_values.shape[0] * c.per_draft_node)
+        return float(np.cumsum(surplus - draft).max())
 
     def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
         values = np.concatenate(self._values)
@@ -201,7 +247,7 @@ class CostAwarePolicy(TreePolicy):
         levels = len(self._levels) - 1
         nodes = levels * min(shape.topk, n1)
         if self._forced:
-            self._forced = False
+            self._forced, self._probe = False, True
             order = torch.sort(scores, descending=True, stable=True).indices
             k, rate = min(cap, order.shape[0]), 0.0
             self._budget, self._rate = k + 1, rate
@@ -219,19 +265,70 @@ class CostAwarePolicy(TreePolicy):
         self._expected = 1.0 + float(values[kept].sum())
         return torch.from_numpy(kept).to(scores.device)
 
+    # -- fusion with candidate sources (retrieval) -------------------------------------------------
+    def fusion_scores(self, head: DraftTree) -> list[float]:
+        """The head's nodes valued like in :meth:`select_final` (calibrated acceptance by depth and
+        cumulative draft log-prob): the scale of the sources' scores (estimated acceptance)."""
+        depth, logp = torch.stack([head.depth[1:].float(), head.draft_logp[1:].float()]).cpu().numpy()
+        depth = depth.astype(np.int64)
+        self._head = (depth, logp)
+        return [1.0, *self.calib.values(depth, logp).tolist()]
+
+    def fusion_size(self, ranking) -> int:
+        """The budget rule on the fused ranking: its best tokens/ms prefix, the root's ``min_keep``
+        best children included, at most ``ranking.budget - 1`` (the bank's rows, extra slots too)."""
+        v = np.asarray(ranking.scores, dtype=np.float64)
+        cap = min(ranking.budget - 1, v.shape[0])
+        first = np.flatnonzero(ranking.first_level)
+        m = min(self.params.min_keep, first.shape[0])
+        lo = int(first[m - 1]) + 1 if m else 0  # ranks are non-increasing: the best children come first
+        levels = max(len(self._levels) - 1, 0) if self._head is not None else 0  # drafter forwards this step
+        nodes = levels * min(self.params.topk, self._levels[0]) if levels else 0
+        _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+                                   min_keep=min(lo, cap), max_keep=cap)
+        if self._probe:  # the circuit breaker's probe: every candidate the bank has room for
+            k, rate = cap, 0.0
+        elif self.params.fill_buckets and k + 1 <= self.buckets[-1]:
+            k = min(self.verify_shape(self.shape, k + 1).ndt - 1, cap)
+        index, head = np.asarray(ranking.index[:k]), np.asarray(ranking.head_index[:k], dtype=np.int64)
+        fused_head = np.concatenate([[0], head[np.argsort(index, kind="stable")]])  # per fused node; -1: a source's
+        self._fused = (fused_head, self._head)
+        self._head = None
+        self._budget, self._rate = k + 1, rate
+        self._expected = 1.0 + float(v[:k].sum())
+        self._source_nodes = int((head < 0).sum())
+        return k
+
     # -- learning ----------------------------------------------------------------------------------
     def observe_tree(self, tree: DraftTree, result: VerifyResult) -> None:
-        """Update the calibration map and the continuation rates from one verify result (on the host)."""
+        """Update the calibration map and the continuation rates from one verify result (on the host).
+
+        A fused tree (head + sources' candidates) teaches from its head nodes only, with their own
+        depths and draft log-probs: the sources' scores are not draft probabilities."""
         n = tree.size
+        fused, self._fused = self._fused, None
         if n < 2:
             return
         depth = tree.depth.cpu().numpy()
         parents = tree.parents.cpu().numpy()
         path = np.asarray(result.path)
-        on_path = np.zeros(n, dtype=bool)
-        on_path[path] = True
-        self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
-        children = np.bincount(parents[1:], minlength=n)[path] > 0  # path nodes with verified children
+        if fused is not None and fused[0].shape[0] == n:
+            head_of, head = fused
+            is_head = head_of >= 0
+            path = path[: int(np.argmin(is_head[path])) if not is_head[path].all() else path.shape[0]]  # head prefix
+            nodes = np.flatnonzero(is_head[1:]) + 1
+            if head is None or nodes.shape[0] == 0:
+                return
+            on_path = np.zeros(n, dtype=bool)
+            on_path[path] = True
+            h = head_of[nodes] - 1  # index into the head's arrays (root excluded)
+            self.calib.update(head[0][h], head[1][h], on_path[nodes])
+            parents = np.where(is_head, parents, -1)  # source nodes are nobody's verified children here
+        else:
+            on_path = np.zeros(n, dtype=bool)
+            on_path[path] = True
+            self.calib.update(depth[1:], tree.draft_logp[1:], on_path[1:])
+        children = np.bincount(parents[1:] + 1, minlength=n + 1)[path + 1] > 0  # path nodes with verified children
         went_on = np.arange(path.shape[0]) < path.shape[0] - 1
         d = np.minimum(depth[path] + 1, self._cont_n.shape[0] - 1)
         decay = self.params.decay
@@ -266,6 +363,7 @@ class CostAwarePolicy(TreePolicy):
             "budget": self._budget,
             "expected_tokens": round(self._expected, 4),
             "rate_tok_per_ms": round(self._rate, 5),
+            "source_nodes": self._source_nodes,
             "breaker_tripped": self._tripped,
             "zero_streak": self._zero_streak,
         }

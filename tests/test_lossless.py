@@ -140,6 +140,7 @@ RETRIEVAL_CONFIGS = {  # name: (config file, overrides, prompts)
     "hybrid": ("hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
     "hybrid-skip-draft": ("hybrid.yaml", ["sources=[{name: retrieval, extra_slots: 4, skip_draft_match: 2}]"], REPEATING[:1]),
     "retrieval": ("retrieval.yaml", [], [*REPEATING, PROMPTS[0]]),
+    "cost-aware-hybrid": ("cost-aware-hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
 }
 
 
@@ -158,7 +159,10 @@ def test_retrieval_configs_are_lossless(name, greedy_reference):
             by_source[k] = by_source.get(k, 0) + v
         sizes |= {r.tree_size for r in res.records}
     assert by_source["retrieval"] > 10  # copied spans were really drafted from the context
-    if "head" in by_source and name == "hybrid":
+    if "head" in by_source and name in ("hybrid", "cost-aware-hybrid"):
         assert by_source["head"] > 0
     policy = engine.config.policy.params
-    assert max(sizes) > policy.ndt if engine.sources[0].extra_slots() else max(sizes) <= policy.ndt
+    if hasattr(policy, "buckets"):  # a variable budget (the policy's cost rule): within the bank's rows
+        assert max(sizes) <= max(policy.buckets) + engine.sources[0].extra_slots() and len(sizes) >= 3
+    else:
+        assert max(sizes) > policy.ndt if engine.sources[0].extra_slots() else max(sizes) <= policy.ndt
