@@ -315,7 +315,8 @@ class CostAwarePolicy(TreePolicy):
         if fused is not None and fused[0].shape[0] == n:
             head_of, head = fused
             is_head = head_of >= 0
-            path = path[: int(np.argmin(is_head[path])) if not is_head[path].all() else path.shape[0]]  # head prefix
+            off = np.flatnonzero(~is_head[path])  # the accepted path's head prefix: up to its first source-only node
+            path = path[: off[0]] if off.shape[0] else path
             nodes = np.flatnonzero(is_head[1:]) + 1
             if head is None or nodes.shape[0] == 0:
                 return

@@ -17,40 +17,20 @@ import pytest
 import torch
 
 from adaptivespec.fusion import HEAD, fuse
-from adaptivespec.ngram import CandidateTrie
 from adaptivespec.policies.static import StaticParams, StaticPolicy
 from adaptivespec.strategies import TreePolicy
 from adaptivespec.tree import make_tree
 from adaptivespec.types import TreeShape, VerifyResult
 
 from test_cost_aware import make_policy, true_table
-from test_cuda_graphs import ForcedPath, one_thread, runtime, tiny  # noqa: F401  (fixtures)
+from test_fusion import paths_of, trie
+from test_cuda_graphs import ForcedPath, cost_aware_factory, one_thread, runtime, tiny  # noqa: F401  (fixtures)
 
 ROOT = 100
 
 
-def trie(paths_scores):
-    """A CandidateTrie from {token path: score}, paths listed parents first."""
-    t = CandidateTrie()
-    index = {}
-    for path, s in paths_scores.items():
-        index[path] = len(t.tokens)
-        t.tokens.append(path[-1]), t.parents.append(index[path[:-1]] if len(path) > 1 else -1)
-        t.counts.append(1), t.match.append(3), t.scores.append(s)
-    t.total = 1
-    return t
-
-
 def head(tokens, parents, logp, shape):
     return make_tree(torch.tensor(tokens), torch.tensor(parents), shape, torch.tensor(logp, dtype=torch.float32))
-
-
-def paths_of(fused):
-    tokens, parents = fused.tree.tokens.tolist(), fused.tree.parents.tolist()
-    out = [()]
-    for i in range(1, len(tokens)):
-        out.append(out[parents[i]] + (tokens[i],))
-    return out
 
 
 def spy(pol):
@@ -278,19 +258,7 @@ def test_lookahead_trees_stay_inside_the_bank(tmp_path):
 
 # -- the static (CUDA-graph) path verifies fused cost-aware trees through their buckets ---------------------
 def test_static_path_verifies_fused_trees_through_their_buckets(tiny, one_thread, tmp_path):  # noqa: F811
-    from adaptivespec.config import structure
-    from adaptivespec.costmodel import CostModel, save_prior
-    from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy
-
-    CostModel(fixed=20.0, per_draft_level=0.5, per_verified_token=2.0, context_ref=0).save(tmp_path / "c.json")
-    prior = torch.linspace(0.95, 0.05, 12).repeat(6, 1)
-    save_prior(tmp_path / "p.json", prior, torch.ones_like(prior), shrink=0)
-
-    def make():
-        return CostAwarePolicy(structure(CostAwareParams, {
-            "max_depth": 4, "topk": 3, "buckets": [3, 5, 9], "profile": str(tmp_path / "c.json"),
-            "prior": str(tmp_path / "p.json"), "prior_weight": 1.0}, "test", "policy"))
-
+    make = cost_aware_factory(tmp_path, per_verified_token=2.0)
     prompt = list(range(3, 40))
     runs = {}
     for static in (False, True):

@@ -253,14 +253,14 @@ def test_static_path_samples_like_eager(tiny, one_thread):
     assert runs[False] == runs[True]
 
 
-def test_static_path_runs_the_cost_aware_verify_buckets(tiny, one_thread, tmp_path):
-    """A variable verify budget on the static path: each tree is verified by its bucket's static
-    entry (padded to the bucket's ndt), with the same trees, logits and tokens as eager."""
+def cost_aware_factory(tmp_path, per_verified_token: float):
+    """``make()`` -> a fresh cost_aware policy (buckets 3/5/9, depth 4, topk 3) with a hand-set cost
+    model (``per_verified_token`` ms per verified token) and a depth-independent prior."""
     from adaptivespec.config import structure
     from adaptivespec.costmodel import CostModel, save_prior
     from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy
 
-    CostModel(fixed=20.0, per_draft_level=0.5, per_verified_token=4.0, context_ref=0).save(tmp_path / "c.json")
+    CostModel(fixed=20.0, per_draft_level=0.5, per_verified_token=per_verified_token, context_ref=0).save(tmp_path / "c.json")
     prior = torch.linspace(0.95, 0.05, 12).repeat(6, 1)
     save_prior(tmp_path / "p.json", prior, torch.ones_like(prior), shrink=0)
 
@@ -269,6 +269,13 @@ def test_static_path_runs_the_cost_aware_verify_buckets(tiny, one_thread, tmp_pa
             "max_depth": 4, "topk": 3, "buckets": [3, 5, 9], "profile": str(tmp_path / "c.json"),
             "prior": str(tmp_path / "p.json"), "prior_weight": 1.0}, "test", "policy"))
 
+    return make
+
+
+def test_static_path_runs_the_cost_aware_verify_buckets(tiny, one_thread, tmp_path):
+    """A variable verify budget on the static path: each tree is verified by its bucket's static
+    entry (padded to the bucket's ndt), with the same trees, logits and tokens as eager."""
+    make = cost_aware_factory(tmp_path, per_verified_token=4.0)
     prompt = list(range(3, 40))
     runs = {}
     for static in (False, True):
