@@ -148,3 +148,53 @@ def test_model_card_records_the_mix_and_relative_paths(tmp_path):
     legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
                                                "seed": 0}, {"train_response_tokens": 6}))
     assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy
+
+
+def test_model_card_tables_vocabulary_coverage_per_kind(tmp_path):
+    from adaptivespec.training.card import kind_coverage
+    from adaptivespec.training.data import Record
+    from adaptivespec.training.vocab import coverage_by_kind
+
+    recs = [Record("rag-t0-quoref-1", [1], [5, 6, 2]), Record("translate-multi30k-3-4", [1], [9, 9, 5, 2])]
+    cov = coverage_by_kind(recs, torch.tensor([2, 5]), kind_of, 10)
+    assert cov == {"rag": {"tokens": 3, "coverage": 2 / 3}, "translate": {"tokens": 4, "coverage": 0.5}}
+
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "distill.jsonl").write_text(
+        "".join(json.dumps({"id": r.id, "prompt_ids": r.prompt_ids, "response_ids": r.response_ids}) + "\n" for r in recs * 2))
+    settings = {"mix": "rag=1,translate=1", "val_frac": 0.25, "seed": 0, "draft_vocab": 2, "max_prompts": None}
+    text = "\n".join(kind_coverage(tmp_path, settings, {"ids": [2, 5]}))
+    assert "| rag |" in text and "| translate |" in text and "0.5000" in text and "0.6667" in text
+    assert kind_coverage(tmp_path, {**settings, "mix": None}, {"ids": [2, 5]}) == []  # not a mix run: no table
+
+
+def _heldout_script():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("heldout_mix_set", Path(__file__).parents[1] / "scripts" / "heldout_mix_set.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_heldout_mix_set_leaves_out_every_trained_prompt():
+    mod = _heldout_script()
+    prompts = [Prompt("math-gsm8k-train-1", "a"), Prompt("math-gsm8k-train-2", "b"), Prompt("math-gsm8k-train-3", "c"),
+               Prompt("chat2-alpaca-5", "d", follow_up="e"), Prompt("rag-pubmedqa-1", "x" * 50), Prompt("rag-pubmedqa-2", "f")]
+    rows = mod.heldout(prompts, {"math-gsm8k-train-1", "rag-pubmedqa-2"}, per_kind=1, max_chars=20)
+    assert [(r["question_id"], r["category"], r["turns"]) for r in rows] == [("math-gsm8k-train-2", "math", ["b"])]
+    # a two-turn record is stored under its id and '-t1': both count as seen; chat2 is never emitted anyway
+    assert mod.heldout([Prompt("chat2-alpaca-5", "d", follow_up="e")], set(), 3, 100) == []
+
+
+@needs_data
+def test_heldout_mix_set_cli(tmp_path):
+    mod = _heldout_script()
+    corpus = tmp_path / "c.jsonl"
+    first = build_mix(20000, None, seed=20261129)[:5]
+    corpus.write_text("".join(json.dumps({"id": p.id, "prompt_ids": [1], "response_ids": [2]}) + "\n" for p in first))
+    assert mod.main(["--distilled", str(corpus), "--per-kind", "2", "--out", str(tmp_path / "h.jsonl")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "h.jsonl").read_text().splitlines()]
+    assert len(rows) == 14 and not {r["question_id"] for r in rows} & {p.id for p in first}
+    assert mod.main(["--distilled", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "h.jsonl")]) == 2

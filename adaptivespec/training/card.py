@@ -21,7 +21,49 @@ from pathlib import Path
 
 import torch
 
-FIXED_PROMPTS = ["What is 12 times 7? Explain briefly.", "Write a Python function that returns the factorial of n."]
+#: an original passage (written for this project, in no training or evaluation set) for a long-context summary
+LONG_PASSAGE = """\
+Most towns draw their drinking water from a river, a lake or a well, and none of these sources is clean enough to
+drink as it comes. A treatment plant works through a fixed sequence of steps, each one removing a different kind of
+impurity, and the order matters because every step makes the next one easier.
+
+The first step is screening. Water enters the plant through metal bars and fine screens that stop leaves, branches,
+fish and plastic. The screens are cleaned by rakes that run on a timer, and the material they collect is taken to a
+landfill. Screening removes nothing that is dissolved, but it protects the pumps and pipes further along.
+
+The second step is coagulation. Small particles of clay, silt and organic matter carry a negative electric charge, so
+they repel one another and stay suspended for days. Operators add a coagulant, usually aluminium sulphate or ferric
+chloride, whose positive charge neutralises the particles. The water is mixed hard for a minute or two so that the
+chemical reaches every part of it.
+
+Next comes flocculation. In long basins the water is stirred slowly by paddles, and the neutralised particles bump into
+one another and stick together. Over twenty to forty minutes they grow into soft clumps called floc, large enough to be
+seen. Stirring too fast would tear the floc apart, so the paddles turn more slowly toward the end of the basin.
+
+In the sedimentation tanks the water barely moves. The heavy floc sinks to the bottom over several hours and forms a
+sludge that is scraped away and dried. The water drawn off the top is already much clearer, but it still holds fine
+particles and most of the bacteria and viruses that were in the source.
+
+Filtration removes much of what is left. The water trickles down through beds of sand, gravel and often activated
+carbon. The sand traps fine particles, while the carbon adsorbs chemicals that cause bad tastes and smells. Filters
+clog slowly, so every day or two they are backwashed: clean water is pumped upward through the bed to lift out the
+trapped dirt.
+
+The last treatment step is disinfection. Chlorine, chloramine, ozone or ultraviolet light kills the bacteria and
+viruses that passed the filters. Chlorine has one advantage the others lack: a small amount stays in the water as it
+travels through kilometres of pipes to homes, and it keeps protecting the water on the way. Many plants also adjust the
+acidity of the water so that it does not corrode old pipes, and some add fluoride to protect teeth.
+
+Throughout the process, laboratory staff test samples every few hours for turbidity, chlorine level, acidity and
+bacteria. If a result falls outside its limits, operators can change the chemical doses, take a filter out of service,
+or in the worst case warn residents to boil their water until the problem is fixed."""
+
+#: two prompts of different kinds that no training mix contains: a long-passage summary and a math word problem
+FIXED_PROMPTS = [
+    "Summarize the following text in a few sentences.\n\n" + LONG_PASSAGE,
+    "A baker makes 24 muffins in each batch. She bakes 7 batches and sells all but 18 muffins. "
+    "How many muffins does she sell? Explain briefly.",
+]
 SHAPES = [(5, 1, 6), (5, 4, 8), (5, 4, 12)]
 
 
@@ -98,7 +140,60 @@ def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
     return rows
 
 
-def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
+def _records(run: Path, settings: dict):
+    from adaptivespec.training.data import read_records
+
+    src = Path(settings["distilled"]) if settings.get("distilled") else run / "training" / "distill.jsonl"
+    if not src.is_file():
+        return []
+    records = read_records(src)
+    return records[: settings["max_prompts"]] if settings.get("max_prompts") else records
+
+
+def kind_coverage(run: Path, settings: dict, vocab: dict) -> list[str]:
+    """Rows of the per-kind coverage table of the chosen vocabulary (broad-mix runs only)."""
+    if settings.get("mix") is None or "ids" not in vocab:
+        return []
+    from adaptivespec.training.data import split
+    from adaptivespec.training.mix import kind_of
+    from adaptivespec.training.vocab import coverage_by_kind
+
+    records = _records(run, settings)
+    if not records:
+        return []
+    train, val = split(records, settings["val_frac"], settings["seed"])
+    ids = torch.tensor(vocab["ids"], dtype=torch.long)
+    size = max(max(max(r.response_ids, default=0) for r in records), int(ids.max())) + 1
+    tr, va = (coverage_by_kind(x, ids, kind_of, size) for x in (train, val))
+    rows = ["", f"Coverage of the chosen N = {settings['draft_vocab']} per kind of prompt:", "",
+            "| kind | training response tokens | train coverage | validation coverage |", "|---|---:|---:|---:|"]
+    for kind, c in tr.items():
+        v = va.get(kind, {}).get("coverage")
+        rows.append(f"| {kind} | {c['tokens']:,} | {c['coverage']:.4f} | " + (f"{v:.4f}" if v is not None else "-") + " |")
+    return rows
+
+
+def bench_section(path: Path) -> list[str]:
+    """Per-category accepted length and speedup over plain decoding from ``adaptivespec bench`` results."""
+    res = json.loads((path / "results.json" if path.is_dir() else path).read_text())
+    ar, ref = res.get("ar"), res.get("reference")
+    meta = res["meta"]
+    rows = ["## Per task category (evaluation prompts)", "",
+            f"`{ref}` against `{ar}` in one `adaptivespec bench` run, contenders alternating per prompt "
+            f"({meta.get('dataset')}, {meta.get('max_new_tokens')} new tokens, "
+            f"{meta['machine'].get('cpu')}, {meta['machine'].get('torch_threads')} threads):", "",
+            "| category | prompts | tau | speedup vs AR | tok/s | AR tok/s |", "|---|---:|---:|---:|---:|---:|"]
+    for cat, c in res["categories"].items():
+        by = {x["name"]: x for x in c["configs"]}
+        if ref not in by or ar not in by:
+            continue
+        e, a = by[ref], by[ar]
+        rows.append(f"| {cat} | {c['prompts']} | {e['accept_length_mean']:.2f} | {e['tokens_per_second'] / a['tokens_per_second']:.2f}x "
+                    f"| {e['tokens_per_second']:.1f} | {a['tokens_per_second']:.1f} |")
+    return rows + [""]
+
+
+def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches: list[Path] = ()) -> str:
     settings = json.loads((run / "training" / "run.json").read_text())
     vocab = json.loads((run / "training" / "vocab.json").read_text())
     rows = _rows(run)
@@ -122,6 +217,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
             seen.add(r["n"])
             out.append(f"| {r['n']} | {r['coverage']:.4f} | {r.get('val_coverage', float('nan')):.4f} | {r['lm_head_mb']:.1f} |")
     chosen = next((r for r in vocab["coverage"] if r["n"] == settings["draft_vocab"]), {})
+    out += kind_coverage(run, settings, vocab)
     out += ["", f"Chosen N = {settings['draft_vocab']} (held-out coverage {chosen.get('val_coverage', float('nan')):.4f}, "
             f"lm_head {chosen.get('lm_head_mb', float('nan')):.1f} MB): the rows beyond it are tokens seen only a few "
             "times in training, while the lm_head's training and drafting cost grows linearly with N.", "",
@@ -158,13 +254,16 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str) -> str:
         for e in res:
             out.append(f"| {name} | {tuple(e['shape'])} | {e['tau']:.3f} | {e['tau_per_prompt']} |")
     out += ["", f"Measured with `{command}`.",
-            "Validation prompts: the first held-out records of the split above.", ""]
+            "Validation prompts: the first held-out records of the split above. Fixed prompts: "
+            "`adaptivespec.training.card.FIXED_PROMPTS` (a 658-token passage to summarise and a word problem).", ""]
+    for b in benches:
+        out += bench_section(b)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     from adaptivespec.models import encode_prompt, load_target
-    from adaptivespec.training.data import read_records, split
+    from adaptivespec.training.data import split
 
     p = argparse.ArgumentParser(prog="python -m adaptivespec.training.card", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bench", type=Path, nargs="*", default=[],
+                   help="results.json of adaptivespec bench runs to table per category")
     args = p.parse_args(argv)
+    for b in args.bench:
+        if not (b / "results.json" if b.is_dir() else b).is_file():
+            p.error(f"--bench: {str(b)!r} is neither a bench run folder nor its results.json")
     torch.set_num_threads(args.threads)
     head = args.run
     if args.dest:
@@ -182,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copyfile(args.run / name, args.dest / name)
         head = args.dest
     settings = json.loads((args.run / "training" / "run.json").read_text())
-    src = Path(settings["distilled"]) if settings.get("distilled") else args.run / "training" / "distill.jsonl"
-    records = read_records(src)
-    records = records[: settings["max_prompts"]] if settings.get("max_prompts") else records
+    records = _records(args.run, settings)
     _, val = split(records, settings["val_frac"], settings["seed"])
     _, tok = load_target(settings["target"], "bfloat16")
     sets = {f"{min(args.prompts, len(val))} validation": [r.prompt_ids for r in val[: args.prompts]],
@@ -192,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = {name: [measure(head, ids, args.max_new_tokens, s) for s in SHAPES] for name, ids in sets.items()}
     print(json.dumps(evals), flush=True)
     command = "python -m adaptivespec.training.card " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = card(args.run, evals, args.prompts, args.max_new_tokens, command)
+    text = card(args.run, evals, args.prompts, args.max_new_tokens, command, args.bench)
     (head / "README.md").write_text(text)
     print(f"wrote {head / 'README.md'}", file=sys.stderr)
     return 0

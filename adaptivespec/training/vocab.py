@@ -34,3 +34,15 @@ def coverage_table(counts: torch.Tensor, sizes: list[int], hidden: int) -> list[
         rows.append({"n": n, "coverage": float(ranked[n - 1]) / max(total, 1), "lm_head_mb": 2 * n * hidden / 1e6})
     rows.append({"n": "distinct", "coverage": 1.0, "count": int((counts > 0).sum())})
     return rows
+
+
+def coverage_by_kind(records: list[Record], ids: torch.Tensor, kind_of, vocab_size: int) -> dict[str, dict]:
+    """Per kind of record (``kind_of(record.id)``): response tokens and the fraction inside ``ids``."""
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[ids] = True
+    out: dict[str, list[int]] = {}
+    for r in records:
+        t = torch.tensor(r.response_ids, dtype=torch.long)
+        c = out.setdefault(kind_of(r.id), [0, 0])
+        c[0], c[1] = c[0] + t.numel(), c[1] + int(inside[t].sum())
+    return {k: {"tokens": n, "coverage": hit / max(n, 1)} for k, (n, hit) in sorted(out.items())}
