@@ -3,7 +3,8 @@
 The broad mix (``train-drafter --mix``) draws its prompts deterministically; a corpus holds the
 records generated so far. The prompts of the same mix that are not in the corpus are training-split
 prompts the head has never seen: the right place to tune a head's static shape (never an
-evaluation set). Categories are the mix kinds; ``chat2`` is left out (the bench sends one turn).
+evaluation set). Categories are the mix kinds as ``mix:<kind>`` (``mix:math`` is not MT-Bench's
+``math``); ``chat2`` is left out (the bench sends one turn).
 
     python scripts/heldout_mix_set.py --distilled runs/broad/training/distill.jsonl --per-kind 3 \\
         --out runs/tuning/heldout-mix.jsonl
@@ -35,7 +36,7 @@ def heldout(prompts, seen: set[str], per_kind: int, max_chars: int) -> list[dict
             continue
         if taken.get(kind, 0) < per_kind:
             taken[kind] = taken.get(kind, 0) + 1
-            rows.append({"question_id": p.id, "category": kind, "turns": [p.text]})
+            rows.append({"question_id": p.id, "category": f"mix:{kind}", "turns": [p.text]})
     return sorted(rows, key=lambda r: r["category"])
 
 

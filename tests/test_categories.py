@@ -28,6 +28,16 @@ def test_spec_bench_has_six_categories_with_mt_bench_as_one():
     assert categories.categories(load_dataset("gsm8k", limit=5)) == []
 
 
+def test_a_spec_bench_format_file_keeps_its_own_categories(tmp_path):
+    rows = [{"question_id": 1, "category": "mix:rag", "turns": ["a"]}, {"question_id": 2, "category": "writing", "turns": ["b"]},
+            {"question_id": 3, "category": "translation", "turns": ["c"]}, {"question_id": 4, "category": "mix:rag", "turns": ["d"]}]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = load_dataset("specbench", tmp_path / "q.jsonl")
+    assert [category_of(p) for p in problems] == ["mix:rag", "mt_bench", "translation", "mix:rag"]  # MT-Bench's names: mt_bench
+    assert categories.categories(problems) == ["mix:rag", "mt_bench", "translation"]
+    assert [p.prompt for p in select(problems, None, 1)] == ["a", "b", "c"]
+
+
 def test_select_categories_and_per_category():
     problems = load_dataset("specbench")
     two = select(problems, ["rag", "qa"], None)

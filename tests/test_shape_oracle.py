@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from adaptivespec.tree import ancestor_matrix
 from adaptivespec.types import DraftTree, TreeShape
@@ -62,7 +63,8 @@ def test_static_schedule_and_oracle_against_brute_force():
 
 
 def test_policy_replay_of_a_static_config_walks_like_its_shape():
-    shape = TreeShape(4, 4, 8)  # configs/eagle3.yaml
+    policy = yaml.safe_load((Path(__file__).parents[1] / "configs" / "eagle3.yaml").read_text())["policy"]
+    shape = TreeShape(policy["nsteps"], policy["topk"], policy["ndt"])  # eagle3.yaml's, whatever it is
     acc = [{shape: a} for a in (0, 3, 1, 0, 4, 2, 0, 0, 1)]
     times = {shape: 2.0}
     expected = oracle_mod.simulate(lambda i: shape, acc, times)

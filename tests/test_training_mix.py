@@ -183,7 +183,7 @@ def test_heldout_mix_set_leaves_out_every_trained_prompt():
     prompts = [Prompt("math-gsm8k-train-1", "a"), Prompt("math-gsm8k-train-2", "b"), Prompt("math-gsm8k-train-3", "c"),
                Prompt("chat2-alpaca-5", "d", follow_up="e"), Prompt("rag-pubmedqa-1", "x" * 50), Prompt("rag-pubmedqa-2", "f")]
     rows = mod.heldout(prompts, {"math-gsm8k-train-1", "rag-pubmedqa-2"}, per_kind=1, max_chars=20)
-    assert [(r["question_id"], r["category"], r["turns"]) for r in rows] == [("math-gsm8k-train-2", "math", ["b"])]
+    assert [(r["question_id"], r["category"], r["turns"]) for r in rows] == [("math-gsm8k-train-2", "mix:math", ["b"])]
     # a two-turn record is stored under its id and '-t1': both count as seen; chat2 is never emitted anyway
     assert mod.heldout([Prompt("chat2-alpaca-5", "d", follow_up="e")], set(), 3, 100) == []
 

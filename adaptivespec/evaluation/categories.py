@@ -4,7 +4,8 @@ Categories (:func:`category_of`):
 
 * ``specbench``: Spec-Bench's six -- ``translation``, ``summarization``, ``qa``,
   ``math_reasoning``, ``rag`` and ``mt_bench`` (its 80 MT-Bench questions, whatever their
-  MT-Bench category);
+  MT-Bench category); a ``--data`` file in Spec-Bench's format keeps any other category it names
+  (e.g. ``scripts/heldout_mix_set.py``'s ``mix:rag``);
 * ``mtbench``: MT-Bench's own eight (``writing``, ``roleplay``, ``reasoning``, ``math``,
   ``coding``, ``extraction``, ``stem``, ``humanities``);
 * ``math500``: the MATH subject;
@@ -27,6 +28,9 @@ from adaptivespec.evaluation.datasets import Problem
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 """Spec-Bench's six categories, in its own order."""
 
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+"""MT-Bench's eight categories: Spec-Bench's ``mt_bench`` questions carry these."""
+
 CATEGORY_FIELDS = ("name", "kind", "lossless", "autoregressive", "prompts", "complete", "new_tokens", "wall_seconds",
                    "tokens_per_second", "speedup_vs_ar", "speedup_vs_eagle3", "speedup_vs_reference",
                    "accept_length_mean", "accuracy", "correct", "graded", "retention", "answer_agreement")
@@ -38,7 +42,8 @@ CATEGORY_PLOT = "category_speedup.png"
 def category_of(problem: Problem) -> str | None:
     """The category a problem is reported under (``None``: the dataset has no categories)."""
     if problem.task == "specbench":
-        return problem.category if problem.category in SPEC_BENCH_CATEGORIES else "mt_bench"
+        own = problem.category
+        return "mt_bench" if own is None or own in MT_BENCH_CATEGORIES else own
     if problem.task in ("mtbench", "math500"):
         return problem.category
     return None
