@@ -1,12 +1,13 @@
 """Measure a trained head's accepted length and write its model card (``README.md``).
 
-    python -m adaptivespec.training.card RUN_DIR [--dest HEAD_DIR] [--prompts 8] [--max-new-tokens 128]
+    python -m adaptivespec.training.card RUN_DIR [--dest HEAD_DIR] [--prompts 8] [--max-new-tokens 128] [--bench RUN ...]
 
 ``RUN_DIR`` is a ``train-drafter --out`` folder. The head is decoded (bf16, static policy,
 strict verifier) on the first ``--prompts`` held-out validation records of the run (the same
 split as training) and on two fixed prompts that are not training prompts; the accepted length
 is ``tau = new tokens / target forwards`` pooled over prompts. With ``--dest`` the head files
-are copied there first and the card is written next to them (else into ``RUN_DIR``).
+are copied there first and the card is written next to them (else into ``RUN_DIR``). ``--bench``
+adds a per-category table (tau, speedup over ``ar``) from each ``adaptivespec bench`` run folder.
 """
 
 from __future__ import annotations
