@@ -69,7 +69,10 @@ class CandidateTrie:
         for i, (t, p, c, m, s) in enumerate(zip(self.tokens, self.parents, self.counts, self.match, self.scores)):
             if s >= min_score and p in remap:
                 remap[i] = len(out.tokens)
-                out.tokens.append(t), out.parents.append(remap[p]), out.counts.append(c), out.match.append(m)
+                out.tokens.append(t)
+                out.parents.append(remap[p])
+                out.counts.append(c)
+                out.match.append(m)
                 out.scores.append(s)
         return out
 

@@ -156,7 +156,7 @@ def test_model_card_tables_vocabulary_coverage_per_kind(tmp_path):
     from adaptivespec.training.vocab import coverage_by_kind
 
     recs = [Record("rag-t0-quoref-1", [1], [5, 6, 2]), Record("translate-multi30k-3-4", [1], [9, 9, 5, 2])]
-    cov = coverage_by_kind(recs, torch.tensor([2, 5]), kind_of, 10)
+    cov = coverage_by_kind(recs, torch.tensor([2, 5]), kind_of)
     assert cov == {"rag": {"tokens": 3, "coverage": 2 / 3}, "translate": {"tokens": 4, "coverage": 0.5}}
 
     (tmp_path / "training").mkdir()

@@ -121,15 +121,12 @@ def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
         return [f"Self-distillation: `{_shown(settings['distilled']) if settings.get('distilled') else 'generated'}` — "
                 "the target's own greedy answers (chat template, one user message) to GSM8K *train*, CodeAlpaca and "
                 "MBPP non-test prompts; no evaluation set. " + split]
-    from adaptivespec.training.data import read_records
     from adaptivespec.training.mix import kind_of, parse_mix
 
-    src = Path(settings["distilled"]) if settings.get("distilled") else run / "training" / "distill.jsonl"
     counts: dict[str, list[int]] = {}
-    if src.is_file():
-        for r in read_records(src):
-            c = counts.setdefault(kind_of(r.id), [0, 0])
-            c[0], c[1] = c[0] + 1, c[1] + len(r.response_ids)
+    for r in _records(run, settings):
+        c = counts.setdefault(kind_of(r.id), [0, 0])
+        c[0], c[1] = c[0] + 1, c[1] + len(r.response_ids)
     rows = ["Self-distillation on the broad training mix (`train-drafter --mix "
             f"{settings['mix']}`, {settings.get('max_prompts') or 20000} prompts drawn, prompt seed "
             f"{settings.get('prompt_seed')}): the target's own greedy answers to training-split prompts of every kind "
@@ -164,8 +161,7 @@ def kind_coverage(run: Path, settings: dict, vocab: dict) -> list[str]:
         return []
     train, val = split(records, settings["val_frac"], settings["seed"])
     ids = torch.tensor(vocab["ids"], dtype=torch.long)
-    size = max(max(max(r.response_ids, default=0) for r in records), int(ids.max())) + 1
-    tr, va = (coverage_by_kind(x, ids, kind_of, size) for x in (train, val))
+    tr, va = (coverage_by_kind(x, ids, kind_of) for x in (train, val))
     rows = ["", f"Coverage of the chosen N = {settings['draft_vocab']} per kind of prompt:", "",
             "| kind | training response tokens | train coverage | validation coverage |", "|---|---:|---:|---:|"]
     for kind, c in tr.items():

@@ -136,7 +136,7 @@ def check_args(args) -> None:
 
         try:
             resolve_drafter_path(args.init_from)
-        except ModelLoadError as e:
+        except ModelLoadError:
             raise AdaptiveSpecError(f"--init-from: {str(args.init_from)!r} is not a head; expected a folder with "
                                     "config.json + model.safetensors (EAGLE-3 layout) or 'embedded'") from None
     if args.build_cache_only and args.feature_cache is None:

@@ -36,13 +36,11 @@ def coverage_table(counts: torch.Tensor, sizes: list[int], hidden: int) -> list[
     return rows
 
 
-def coverage_by_kind(records: list[Record], ids: torch.Tensor, kind_of, vocab_size: int) -> dict[str, dict]:
+def coverage_by_kind(records: list[Record], ids: torch.Tensor, kind_of) -> dict[str, dict]:
     """Per kind of record (``kind_of(record.id)``): response tokens and the fraction inside ``ids``."""
-    inside = torch.zeros(vocab_size, dtype=torch.bool)
-    inside[ids] = True
     out: dict[str, list[int]] = {}
     for r in records:
         t = torch.tensor(r.response_ids, dtype=torch.long)
         c = out.setdefault(kind_of(r.id), [0, 0])
-        c[0], c[1] = c[0] + t.numel(), c[1] + int(inside[t].sum())
+        c[0], c[1] = c[0] + t.numel(), c[1] + int(torch.isin(t, ids).sum())
     return {k: {"tokens": n, "coverage": hit / max(n, 1)} for k, (n, hit) in sorted(out.items())}
