@@ -94,6 +94,7 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     assert len(val["val_acc"]) == 3
     recs = (out / "training" / "distill.jsonl").read_text().splitlines()
     assert len(recs) == 4 and all(set(json.loads(x)) == {"id", "prompt_ids", "response_ids"} for x in recs)
+    assert (out / "training" / "records.txt").read_text().split() == [json.loads(x)["id"] for x in recs]
     # resume continues from the checkpoint (data position, optimiser, step)
     assert run_cli([*common, "--steps", "7", "--resume"]) == 0
     rows = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]

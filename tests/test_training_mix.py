@@ -145,6 +145,10 @@ def test_model_card_records_the_mix_and_relative_paths(tmp_path):
     text = "\n".join(data_section(tmp_path, settings, {"train_response_tokens": 6}))
     assert "| rag | 0.75 | 2 | 4 |" in text and "| summarize | 0.25 | 1 | 2 |" in text
     assert "--mix rag=3,summarize=1" in text
+    # the corpus grew after training: the card counts the records the run used (training/records.txt)
+    (tmp_path / "training" / "records.txt").write_text("rag-t0-quoref-1\nsummarize-scitldr-0-2\n")
+    text = "\n".join(data_section(tmp_path, settings, {"train_response_tokens": 6}))
+    assert "| rag | 0.75 | 1 | 3 |" in text and "| summarize | 0.25 | 1 | 2 |" in text
     legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
                                                "seed": 0}, {"train_response_tokens": 6}))
     assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy

@@ -145,6 +145,10 @@ def _records(run: Path, settings: dict):
     if not src.is_file():
         return []
     records = read_records(src)
+    used = run / "training" / "records.txt"
+    if used.is_file():  # the records the run trained on, though the data file may have grown since
+        ids = set(used.read_text().split())
+        return [r for r in records if r.id in ids]
     return records[: settings["max_prompts"]] if settings.get("max_prompts") else records
 
 

@@ -6,6 +6,7 @@ Output folder ``--out``::
     training/run.json                the run's settings (``--resume`` keeps the data-defining ones)
     training/distill.jsonl           generated self-distillation records (without --distilled)
     training/vocab.json              draft vocabulary and its coverage table
+    training/records.txt             ids of the records the run used (the card reads these, not the data file now)
     training/checkpoint.pt           fp32 head + optimiser + data position
     training/log.jsonl               training and validation rows
 
@@ -297,6 +298,8 @@ def run(args) -> int:
         return 0
     if len(records) < 2:
         raise AdaptiveSpecError(f"--data: {len(records)} usable records; expected at least 2")
+    if not args.resume:
+        (args.out / "training" / "records.txt").write_text("".join(f"{r.id}\n" for r in records))
     train, val = split(records, args.val_frac, args.seed)
     vocab_ids = vocabulary(args, train, val, target.config.vocab_size, target.config.hidden_size)
     cache = feature_cache(args, target, tok, records, vocab_ids) if args.feature_cache is not None else None
