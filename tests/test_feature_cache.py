@@ -4,7 +4,9 @@ trained from the cache that matches the uncached run, loads as a drafter and dec
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,10 +152,6 @@ def test_training_on_the_cache_matches_training_without_it(tmp_path, smol32, gre
     assert [r["step"] for r in cached if r["kind"] == "train"] == [1, 5]
 
     # ...and that tolerance tells a sound cache from a broken one: states shifted by one token fall outside it
-    import shutil
-
-    import numpy as np
-
     broken = tmp_path / "broken-cache"
     shutil.copytree(cache, broken)
     width = 3 * smol32[0].config.hidden_size
