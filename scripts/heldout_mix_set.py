@@ -27,10 +27,14 @@ SKIPPED_KINDS = ("chat2",)
 
 
 def heldout(prompts, seen: set[str], per_kind: int, max_chars: int) -> list[dict]:
-    """The first ``per_kind`` prompts of each kind whose id (or first turn's id) is not in ``seen``."""
+    """The last ``per_kind`` prompts of each kind whose id (or first turn's id) is not in ``seen``.
+
+    The last, because generation walks the mix from the front: the tail is what a growing corpus reaches
+    last, so a tuning set drawn from it stays unseen by the next heads too.
+    """
     taken: dict[str, int] = {}
     rows = []
-    for p in prompts:
+    for p in reversed(prompts):
         kind = kind_of(p.id)
         if kind in SKIPPED_KINDS or p.id in seen or f"{p.id}-t1" in seen or len(p.text) > max_chars:
             continue

@@ -35,11 +35,20 @@ def test_budget_units(text, expected):
     (["--distilled", "/no/such.jsonl"], ["--distilled", "/no/such.jsonl", "expected"]),
     (["--resume"], ["--resume", "no checkpoint"]),
     (["--data", str(DATA_ROOT / "gsm8k" / "test.jsonl")], ["--data", "evaluation set"]),
+    (["--val-ids", "/no/such.txt"], ["--val-ids", "/no/such.txt", "record ids"]),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
     assert run_cli(["--out", str(tmp_path / "o"), "--quiet", *argv]) == AdaptiveSpecError.exit_code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+def test_val_ids_hold_out_exactly_those_records():
+    from adaptivespec.training.data import Record, split
+
+    records = [Record(f"r{i}", [1], [2, 3]) for i in range(40)]
+    train, val = split(records, 0.025, 0, {"r3", "r17", "not-a-record"})
+    assert [r.id for r in val] == ["r3", "r17"] and len(train) == 38 and not {r.id for r in train} & {"r3", "r17"}
 
 
 def test_eval_sets_are_refused():
@@ -94,7 +103,10 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     assert len(val["val_acc"]) == 3
     recs = (out / "training" / "distill.jsonl").read_text().splitlines()
     assert len(recs) == 4 and all(set(json.loads(x)) == {"id", "prompt_ids", "response_ids"} for x in recs)
-    assert (out / "training" / "records.txt").read_text().split() == [json.loads(x)["id"] for x in recs]
+    names = [json.loads(x)["id"] for x in recs]
+    assert (out / "training" / "records.txt").read_text().split() == names
+    held = (out / "training" / "validation.txt").read_text().split()
+    assert len(held) == 1 and held[0] in names  # the seeded --val-frac draw, written down
     # resume continues from the checkpoint (data position, optimiser, step)
     assert run_cli([*common, "--steps", "7", "--resume"]) == 0
     rows = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]
@@ -112,8 +124,11 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     # --init-from the shipped head: same data, a new draft vocabulary; it starts far below a random init
     if (SHIPPED / "config.json").is_file():
         warm = tmp_path / "warm"
-        argv = [*common, "--steps", "1", "--distilled", str(out / "training" / "distill.jsonl"), "--init-from", "embedded"]
+        (tmp_path / "val.txt").write_text(f"{names[0]}\n{names[3]}\n")
+        argv = [*common, "--steps", "1", "--distilled", str(out / "training" / "distill.jsonl"), "--init-from", "embedded",
+                "--val-ids", str(tmp_path / "val.txt")]
         assert run_cli([a if a != str(out) else str(warm) for a in argv]) == 0
+        assert (warm / "training" / "validation.txt").read_text().split() == [names[0], names[3]]
         first = [json.loads(x) for x in (warm / "training" / "log.jsonl").read_text().splitlines() if '"train"' in x][0]
         assert first["loss"] < 0.7 * train[0]["loss"]
         assert json.loads((warm / "training" / "run.json").read_text())["init_from"] == "embedded"

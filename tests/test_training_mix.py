@@ -149,6 +149,10 @@ def test_model_card_records_the_mix_and_relative_paths(tmp_path):
     (tmp_path / "training" / "records.txt").write_text("rag-t0-quoref-1\nsummarize-scitldr-0-2\n")
     text = "\n".join(data_section(tmp_path, settings, {"train_response_tokens": 6}))
     assert "| rag | 0.75 | 1 | 3 |" in text and "| summarize | 0.25 | 1 | 2 |" in text
+    # --val-ids: the card names the file and counts the records the run held out
+    (tmp_path / "training" / "validation.txt").write_text("rag-t0-quoref-1\n")
+    text = "\n".join(data_section(tmp_path, {**settings, "val_ids": str(tmp_path / "val.txt")}, {"train_response_tokens": 6}))
+    assert "the records named in `val.txt` (`--val-ids`), 1 held out" in text and "split 75.0" not in text
     legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
                                                "seed": 0}, {"train_response_tokens": 6}))
     assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy
@@ -187,7 +191,10 @@ def test_heldout_mix_set_leaves_out_every_trained_prompt():
     prompts = [Prompt("math-gsm8k-train-1", "a"), Prompt("math-gsm8k-train-2", "b"), Prompt("math-gsm8k-train-3", "c"),
                Prompt("chat2-alpaca-5", "d", follow_up="e"), Prompt("rag-pubmedqa-1", "x" * 50), Prompt("rag-pubmedqa-2", "f")]
     rows = mod.heldout(prompts, {"math-gsm8k-train-1", "rag-pubmedqa-2"}, per_kind=1, max_chars=20)
-    assert [(r["question_id"], r["category"], r["turns"]) for r in rows] == [("math-gsm8k-train-2", "mix:math", ["b"])]
+    assert [(r["question_id"], r["category"], r["turns"]) for r in rows] == [("math-gsm8k-train-3", "mix:math", ["c"])]
+    # from the tail of the mix: what a growing corpus reaches last
+    rows = mod.heldout(prompts, {"math-gsm8k-train-3"}, per_kind=1, max_chars=20)
+    assert [r["question_id"] for r in rows] == ["math-gsm8k-train-2", "rag-pubmedqa-2"]
     # a two-turn record is stored under its id and '-t1': both count as seen; chat2 is never emitted anyway
     assert mod.heldout([Prompt("chat2-alpaca-5", "d", follow_up="e")], set(), 3, 100) == []
 

@@ -114,9 +114,14 @@ def _shown(path: str) -> str:
 
 def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
     """The card's data paragraph: the sources or the broad mix with its proportions and realised counts."""
-    split = (f"Records split {100 * (1 - settings['val_frac']):.1f} / {100 * settings['val_frac']:.1f} % "
-             f"(seed {settings['seed']}) into training and held-out validation; "
-             f"{vocab['train_response_tokens']:,} training response tokens.")
+    if settings.get("val_ids"):
+        held = run / "training" / "validation.txt"
+        n = f", {len(held.read_text().split()):,} held out" if held.is_file() else ""
+        split = f"Held-out validation: the records named in `{_shown(settings['val_ids'])}` (`--val-ids`){n}; "
+    else:
+        split = (f"Records split {100 * (1 - settings['val_frac']):.1f} / {100 * settings['val_frac']:.1f} % "
+                 f"(seed {settings['seed']}) into training and held-out validation; ")
+    split += f"{vocab['train_response_tokens']:,} training response tokens."
     if settings.get("mix") is None:
         return [f"Self-distillation: `{_shown(settings['distilled']) if settings.get('distilled') else 'generated'}` — "
                 "the target's own greedy answers (chat template, one user message) to GSM8K *train*, CodeAlpaca and "
@@ -152,18 +157,25 @@ def _records(run: Path, settings: dict):
     return records[: settings["max_prompts"]] if settings.get("max_prompts") else records
 
 
+def _split(run: Path, settings: dict, records):
+    """(train, validation) as the run split them: its ``training/validation.txt`` when written, else the seeded draw."""
+    from adaptivespec.training.data import read_ids, split
+
+    held = run / "training" / "validation.txt"
+    return split(records, settings["val_frac"], settings["seed"], read_ids(held, "validation") if held.is_file() else None)
+
+
 def kind_coverage(run: Path, settings: dict, vocab: dict) -> list[str]:
     """Rows of the per-kind coverage table of the chosen vocabulary (broad-mix runs only)."""
     if settings.get("mix") is None or "ids" not in vocab:
         return []
-    from adaptivespec.training.data import split
     from adaptivespec.training.mix import kind_of
     from adaptivespec.training.vocab import coverage_by_kind
 
     records = _records(run, settings)
     if not records:
         return []
-    train, val = split(records, settings["val_frac"], settings["seed"])
+    train, val = _split(run, settings, records)
     ids = torch.tensor(vocab["ids"], dtype=torch.long)
     tr, va = (coverage_by_kind(x, ids, kind_of) for x in (train, val))
     rows = ["", f"Coverage of the chosen N = {settings['draft_vocab']} per kind of prompt:", "",
@@ -270,7 +282,6 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches
 
 def main(argv: list[str] | None = None) -> int:
     from adaptivespec.models import encode_prompt, load_target
-    from adaptivespec.training.data import split
 
     p = argparse.ArgumentParser(prog="python -m adaptivespec.training.card", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         head = args.dest
     settings = json.loads((args.run / "training" / "run.json").read_text())
     records = _records(args.run, settings)
-    _, val = split(records, settings["val_frac"], settings["seed"])
+    _, val = _split(args.run, settings, records)
     _, tok = load_target(settings["target"], "bfloat16")
     sets = {f"{min(args.prompts, len(val))} validation": [r.prompt_ids for r in val[: args.prompts]],
             "2 fixed": [encode_prompt(tok, t) for t in FIXED_PROMPTS]}

@@ -7,6 +7,7 @@ Output folder ``--out``::
     training/distill.jsonl           generated self-distillation records (without --distilled)
     training/vocab.json              draft vocabulary and its coverage table
     training/records.txt             ids of the records the run used (the card reads these, not the data file now)
+    training/validation.txt          ids of those held out for validation (``--val-ids``, else a seeded draw)
     training/checkpoint.pt           fp32 head + optimiser + data position
     training/log.jsonl               training and validation rows
 
@@ -35,7 +36,7 @@ DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
 KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
                   "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk",
-                  "init_from")
+                  "init_from", "val_ids")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
 
@@ -78,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--clip", type=float, default=0.5, help="gradient-norm clip")
     a("--weight-decay", type=float, default=0.01)
     a("--val-frac", type=float, default=0.025, help="held-out validation fraction of the records")
+    a("--val-ids", type=Path, metavar="FILE", help="hold out exactly the records with these ids (one per line) "
+      "as validation instead of a seeded --val-frac draw, e.g. to keep a warm start's validation records out of training")
     a("--val-max-tokens", type=int, default=12000, help="validation tokens evaluated per checkpoint")
     a("--checkpoint-minutes", type=float, default=15.0, help="minutes between checkpoints / exports")
     a("--resume", action="store_true", help="continue from <out>/training/checkpoint.pt")
@@ -131,6 +134,10 @@ def check_args(args) -> None:
     if not args.resume and ckpt.is_file():
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
+    if getattr(args, "val_ids", None) is not None:
+        from adaptivespec.training.data import read_ids
+
+        read_ids(args.val_ids, "--val-ids")  # fails here, before the target loads
     if getattr(args, "init_from", None):
         from adaptivespec.drafter import resolve_drafter_path
         from adaptivespec.errors import ModelLoadError
@@ -273,7 +280,7 @@ def feature_cache(args, target, tok, records, vocab_ids):
 
 def run(args) -> int:
     from adaptivespec.models import load_target
-    from adaptivespec.training.data import split
+    from adaptivespec.training.data import read_ids, split
     from adaptivespec.training.trainer import Trainer, TrainConfig
 
     check_args(args)
@@ -300,7 +307,12 @@ def run(args) -> int:
         raise AdaptiveSpecError(f"--data: {len(records)} usable records; expected at least 2")
     if not args.resume:
         (args.out / "training" / "records.txt").write_text("".join(f"{r.id}\n" for r in records))
-    train, val = split(records, args.val_frac, args.seed)
+    train, val = split(records, args.val_frac, args.seed, read_ids(args.val_ids, "--val-ids") if args.val_ids else None)
+    if args.val_ids and not (val and train):
+        raise AdaptiveSpecError(f"--val-ids: {str(args.val_ids)!r} holds out {len(val)} of {len(records)} records; "
+                                "expected at least one record in each of training and validation")
+    if not args.resume:
+        (args.out / "training" / "validation.txt").write_text("".join(f"{r.id}\n" for r in val))
     vocab_ids = vocabulary(args, train, val, target.config.vocab_size, target.config.hidden_size)
     cache = feature_cache(args, target, tok, records, vocab_ids) if args.feature_cache is not None else None
     if args.build_cache_only:

@@ -129,13 +129,24 @@ def read_records(path: Path, arg: str = "--distilled") -> list[Record]:
     return out
 
 
-def split(records: list[Record], val_frac: float, seed: int) -> tuple[list[Record], list[Record]]:
-    """(train, validation): a fixed seeded choice of ``round(val_frac * n)`` records (at least 1)."""
+def split(records: list[Record], val_frac: float, seed: int,
+          val_ids: set[str] | None = None) -> tuple[list[Record], list[Record]]:
+    """(train, validation): a fixed seeded choice of ``round(val_frac * n)`` records (at least 1), or, given
+    ``val_ids``, exactly the records with those ids (``train-drafter --val-ids``)."""
+    if val_ids is not None:
+        return [r for r in records if r.id not in val_ids], [r for r in records if r.id in val_ids]
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     n_val = max(1, round(val_frac * len(records))) if len(records) > 1 else 0
     val = set(order[:n_val])
     return [r for i, r in enumerate(records) if i not in val], [r for i, r in enumerate(records) if i in val]
+
+
+def read_ids(path: Path, arg: str) -> set[str]:
+    """Record ids, one per line (blank lines ignored); ``arg`` names the option in errors."""
+    if not Path(path).is_file():
+        raise AdaptiveSpecError(f"{arg}: {str(path)!r} is not a file; expected record ids, one per line")
+    return {x.strip() for x in Path(path).read_text().splitlines() if x.strip()}
 
 
 # -- self-distillation -----------------------------------------------------------------------
