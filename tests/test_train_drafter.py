@@ -99,7 +99,10 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     rows = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert train[0]["step"] == 1 and train[-1]["step"] == 5 and train[-1]["loss"] < 0.7 * train[0]["loss"]
-    val = [r for r in rows if r["kind"] == "val"][-1]
+    vals = [r for r in rows if r["kind"] == "val"]
+    assert vals[0]["step"] == 0 and rows.index(vals[0]) < rows.index(train[0])  # where the head started, before any step
+    assert sum(vals[-1]["val_loss"]) < sum(vals[0]["val_loss"])
+    val = vals[-1]
     assert len(val["val_acc"]) == 3
     recs = (out / "training" / "distill.jsonl").read_text().splitlines()
     assert len(recs) == 4 and all(set(json.loads(x)) == {"id", "prompt_ids", "response_ids"} for x in recs)

@@ -165,6 +165,8 @@ class Trainer:
         last_ckpt = time.monotonic()
         bar = tqdm(desc="train", unit="tok", unit_scale=True, initial=s.tokens, disable=not c.progress,
                    total=c.budget_tokens, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        if s.step == 0 and self.val_set:  # where the head starts (a warm start's own score on this validation split)
+            self.log({"kind": "val", **self._where(), **self.validate()})
         self.drafter.train()
         while self.progress() < 1.0 and not self._stop:
             epoch, index, records, batch = next(it)
