@@ -147,8 +147,8 @@ def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
     """eagle3.yaml as shipped, on a 658-token passage to summarise and a word problem (neither is a training prompt).
 
     Issue 11 asks for tau > 2 on both; the shipped broad head (second run) reaches 1.61 and 1.82 here (bf16,
-    96 tokens), the first broad head 1.67 and 1.77, the former math/code head 1.50 and 1.56. This floor catches a head that stops drafting outside math
-    and code; raise it to the issue's 2.0 once a head gets there.
+    96 tokens), the first broad head 1.67 and 1.77, the former math/code head 1.50 and 1.56. This floor
+    catches a head that stops drafting outside math and code; raise it to the issue's 2.0 once a head gets there.
     """
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
