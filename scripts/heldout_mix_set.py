@@ -26,8 +26,10 @@ from adaptivespec.training.mix import build_mix, kind_of, parse_mix
 SKIPPED_KINDS = ("chat2",)
 
 
-def heldout(prompts, seen: set[str], per_kind: int, max_chars: int) -> list[dict]:
-    """The last ``per_kind`` prompts of each kind whose id (or first turn's id) is not in ``seen``.
+def heldout(prompts, seen: set[str], per_kind: int, max_chars: int, skip: int = 0) -> list[dict]:
+    """The last ``per_kind`` prompts of each kind whose id (or first turn's id) is not in ``seen``,
+    after the last ``skip`` such prompts of the kind (a second, disjoint tuning set: ``skip`` = the
+    first set's ``per_kind``).
 
     The last, because generation walks the mix from the front: the tail is what a growing corpus reaches
     last, so a tuning set drawn from it stays unseen by the next heads too.
@@ -38,8 +40,8 @@ def heldout(prompts, seen: set[str], per_kind: int, max_chars: int) -> list[dict
         kind = kind_of(p.id)
         if kind in SKIPPED_KINDS or p.id in seen or f"{p.id}-t1" in seen or len(p.text) > max_chars:
             continue
-        if taken.get(kind, 0) < per_kind:
-            taken[kind] = taken.get(kind, 0) + 1
+        taken[kind] = taken.get(kind, 0) + 1
+        if skip < taken[kind] <= skip + per_kind:
             rows.append({"question_id": p.id, "category": f"mix:{kind}", "turns": [p.text]})
     return sorted(rows, key=lambda r: r["category"])
 
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--distilled", required=True, type=Path, help="the corpus the head was trained on (jsonl records)")
     ap.add_argument("--per-kind", type=int, default=3, help="prompts per kind (default 3)")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the last N eligible prompts of each kind first "
+                    "(a set disjoint from one made with --per-kind N; default 0)")
     ap.add_argument("--out", required=True, type=Path, help="JSON-lines file to write (Spec-Bench fields)")
     ap.add_argument("--mix", default=None, help="the mix the corpus was drawn with (default: the default mix)")
     ap.add_argument("--max-prompts", type=int, default=20000, help="the corpus' --max-prompts (default 20000)")
@@ -57,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.per_kind < 1:
         ap.error(f"--per-kind: expected a positive integer, got {args.per_kind}")
+    if args.skip < 0:
+        ap.error(f"--skip: expected a non-negative integer, got {args.skip}")
     try:
         seen = {r.id for r in read_records(args.distilled)}
         prompts = build_mix(args.max_prompts, parse_mix(args.mix), args.data_root, args.prompt_seed)
     except AdaptiveSpecError as e:
         print(f"heldout_mix_set: {e}", file=sys.stderr)
         return 2
-    rows = heldout(prompts, seen, args.per_kind, args.max_chars)
+    rows = heldout(prompts, seen, args.per_kind, args.max_chars, args.skip)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     kinds = sorted({r["category"] for r in rows})

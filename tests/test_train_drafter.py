@@ -159,6 +159,16 @@ def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
     assert min(taus) > 1.5 and sum(taus) / len(taus) > 1.6, taus
 
 
+def test_model_card_measures_eagle3_yaml_shape_first():
+    """The card's first shape is the one users run: eagle3.yaml's (a shape change must move both)."""
+    import yaml
+
+    from adaptivespec.training.card import SHAPES
+
+    policy = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "eagle3.yaml").read_text())["policy"]
+    assert SHAPES[0] == (policy["nsteps"], policy["topk"], policy["ndt"])
+
+
 def test_model_card_lists_every_validation_and_resume(tmp_path):
     from adaptivespec.training.card import card
 

@@ -117,6 +117,56 @@ def test_batched_generation_equals_one_prompt_greedy(smol32, greedy_reference):
 
 
 @pytest.mark.model
+def test_continuous_batching_rows_joining_midway_equal_one_prompt_greedy(smol32, greedy_reference):
+    """Two rows at a time, so later prompts join a running batch (whose cache is wider or narrower
+    than theirs) as earlier rows finish: each answer still equals its own greedy decode (float32)."""
+    from adaptivespec.training.data import generate_stream
+
+    model, tok = smol32
+    eos = tok.eos_token_id
+    texts = ["Say yes.", "What is 2+2?", "Write a long poem about the sea, the wind and the stars at night.",
+             "Translate German to English: Ein Hund läuft im Park.", "Name three colors.", "List four prime numbers."]
+    refs = [greedy_reference(t, 20) for t in texts]
+    stream = list(generate_stream(model, [r[0] for r in refs], eos, 20, batch_size=2, gen_tokens=None, refill=1))
+    assert sorted(i for i, _ in stream) == list(range(len(texts)))  # every prompt answered once
+    for i, got in stream:
+        ref = refs[i][1]
+        assert got == (ref[: ref.index(eos) + 1] if eos in ref else ref), texts[i]
+
+
+def test_continuous_batching_respects_the_row_and_token_budget(monkeypatch):
+    """A fake model that never emits eos: batches hold at most batch_size rows, and the cache
+    (rows x width) stays within gen_tokens unless a row runs alone."""
+    import types
+
+    import transformers
+
+    from adaptivespec.training.data import generate_stream
+
+    class Cache:  # enough of DynamicCache for the loop: no layers to pad or cut
+        def __init__(self, config=None):
+            self.layers = []
+
+    prefills, decodes = [], []
+
+    class Fake:
+        config = None
+
+        def __call__(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep=None):
+            (prefills if input_ids.shape[1] > 1 else decodes).append(tuple(attention_mask.shape))
+            logits = torch.zeros(input_ids.shape[0], 1, 5)
+            logits[:, 0, 3] = 1.0  # token 3, never eos (0): every row runs to max_new_tokens
+            return types.SimpleNamespace(logits=logits)
+
+    monkeypatch.setattr(transformers, "DynamicCache", Cache)
+    prompts = [[1] * n for n in (3, 4, 5, 6, 30, 31)]
+    got = dict(generate_stream(Fake(), prompts, 0, 4, batch_size=3, gen_tokens=60))
+    assert got == {i: [3, 3, 3, 3] for i in range(len(prompts))}
+    assert [rows for rows, _ in prefills] == [3, 1, 1, 1]  # 30 and 31 do not fit beside another row
+    assert all(rows == 1 or rows * width <= 60 for rows, width in decodes)
+
+
+@pytest.mark.model
 def test_two_turn_prompts_follow_the_models_own_answer(tmp_path, smol32):
     from adaptivespec.training.data import distill
 
@@ -197,6 +247,9 @@ def test_heldout_mix_set_leaves_out_every_trained_prompt():
     assert [r["question_id"] for r in rows] == ["math-gsm8k-train-2", "rag-pubmedqa-2"]
     # a two-turn record is stored under its id and '-t1': both count as seen; chat2 is never emitted anyway
     assert mod.heldout([Prompt("chat2-alpaca-5", "d", follow_up="e")], set(), 3, 100) == []
+    # --skip: a second tuning set, disjoint from the first (the next prompts back from the tail)
+    rows = mod.heldout(prompts, {"math-gsm8k-train-3"}, per_kind=1, max_chars=20, skip=1)
+    assert [r["question_id"] for r in rows] == ["math-gsm8k-train-1"]
 
 
 @needs_data

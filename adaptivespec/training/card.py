@@ -65,7 +65,7 @@ FIXED_PROMPTS = [
     "A baker makes 24 muffins in each batch. She bakes 7 batches and sells all but 18 muffins. "
     "How many muffins does she sell? Explain briefly.",
 ]
-SHAPES = [(3, 4, 6), (5, 1, 6), (5, 4, 8)]  # eagle3.yaml's shape first
+SHAPES = [(3, 4, 8), (5, 1, 6), (5, 4, 8)]  # eagle3.yaml's shape first (a test checks)
 
 
 def measure(head: Path, prompts: list[list[int]], max_new_tokens: int, shape: tuple[int, int, int]) -> dict:

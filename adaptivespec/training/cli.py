@@ -61,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="draw prompts from the broad training mix instead of --data: kinds math, code, instruct, qa, rag, "
            "summarize, translate, chat2 with these proportions (no value: the default mix); --max-prompts sets "
            "the total (default 20000)")
-    a("--gen-batch", type=int, default=16, help="most prompts per generation batch")
-    a("--gen-tokens", type=int, default=16384, help="generation batch budget: rows * (prompt + --max-new-tokens)")
+    a("--gen-batch", type=int, default=16, help="most rows decoding at once (continuous batching: a finished row's "
+      "place goes to the next prompt)")
+    a("--gen-tokens", type=int, default=16384, help="generation cache budget: rows * (cache width + --max-new-tokens)")
     a("--generate-only", action="store_true", help="stop after self-distillation (the data), before training")
     a("--max-new-tokens", type=int, default=384, help="response cap when generating")
     a("--draft-vocab", type=int, default=4096, help="draft vocabulary size N (most frequent response tokens)")
