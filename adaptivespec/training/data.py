@@ -374,12 +374,8 @@ def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 def _generate(model, prompts: list[list[int]], eos: int, max_new_tokens: int) -> tuple[list, list]:
     """The former generation path (``model.generate`` on a padded batch); kept to measure against."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # one row per prompt, not per token
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
+    ids, mask, _ = _left_pad(prompts, eos)
+    width = ids.shape[1]
     gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=eos, eos_token_id=eos)[:, width:]
     is_eos = gen == eos
