@@ -104,6 +104,8 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
     assert sum(vals[-1]["val_loss"]) < sum(vals[0]["val_loss"])
     val = vals[-1]
     assert len(val["val_acc"]) == 3
+    # per kind of record (these ids are not mix kinds: one "other" row that is the whole validation)
+    assert val["val_rows_by_kind"] == {"other": val["val_rows"][0]} and val["val_acc_by_kind"]["other"] == val["val_acc"]
     recs = (out / "training" / "distill.jsonl").read_text().splitlines()
     assert len(recs) == 4 and all(set(json.loads(x)) == {"id", "prompt_ids", "response_ids"} for x in recs)
     names = [json.loads(x)["id"] for x in recs]
@@ -138,6 +140,25 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
         first = [json.loads(x) for x in (warm / "training" / "log.jsonl").read_text().splitlines() if '"train"' in x][0]
         assert first["loss"] < 0.7 * train[0]["loss"]
         assert json.loads((warm / "training" / "run.json").read_text())["init_from"] == "embedded"
+
+
+def test_validation_counts_rows_and_hits_per_record(smol32):
+    """ttt_loss(by_record=True): each batch row's labelled positions and top-1 hits, summing to the step totals."""
+    from adaptivespec.training.cli import build_drafter
+    from adaptivespec.training.data import Record, collate
+    from adaptivespec.training.ttt import loss_mask, target_features, ttt_loss
+
+    model, tok = smol32
+    vocab = torch.arange(2, 514)
+    head = build_drafter(model, vocab, seed=0)
+    recs = [Record("math-a", list(range(300, 310)), list(range(320, 340)) + [2]), Record("rag-b", list(range(400, 405)), [5, 6, 7, 2])]
+    batch = collate(recs, 64, tok.eos_token_id)
+    feats = target_features(model, head.aux_layers, batch, vocab, head.t2d, 3)
+    st = ttt_loss(head, batch, feats, 3, by_record=True)
+    for j, (rows, hits) in enumerate(st.by_record):
+        assert int(rows.sum()) == st.count[j] and int(hits.sum()) == st.correct[j] and bool((hits <= rows).all())
+    assert st.by_record[0][0].tolist() == loss_mask(batch, head.t2d)[:, 2:].sum(1).tolist()  # step 0 predicts q >= 2
+    assert ttt_loss(head, batch, feats, 3).by_record is None
 
 
 # -- the shipped head -----------------------------------------------------------------------------
@@ -186,6 +207,12 @@ def test_model_card_lists_every_validation_and_resume(tmp_path):
     (tmp_path / "training" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     evals = {"2 fixed": [{"shape": [5, 1, 6], "tau": 2.5, "tau_per_prompt": [2.0, 3.0], "new_tokens": 10, "tokens_per_second": 1.0}]}
     text = card(tmp_path, evals, 2, 96, "cmd")
+    assert "Per kind of record" not in text  # logs from before validation per kind
+    rows[3]["val_acc_by_kind"], rows[3]["val_rows_by_kind"] = {"math": [0.4, 0.15]}, {"math": 30}  # step 5, as kept
+    rows[4]["val_acc_by_kind"], rows[4]["val_rows_by_kind"] = {"math": [0.5, 0.25], "rag": [0.2, 0.15]}, {"math": 30, "rag": 12}
+    (tmp_path / "training" / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = card(tmp_path, evals, 2, 96, "cmd")
+    assert "| math | 30 | 0.400 | 0.500 | 0.250 |" in text and "| rag | 12 | - | 0.200 | 0.150 |" in text
     assert "| 5 | 100 | 0.120 | 0.060 |" in text and "| 9 | 180 | 0.300 | 0.200 |" in text
     assert "0.100" not in text  # the step validated twice keeps its last measurement
     assert "resumed at step 5 (budget `20m`)" in text and "steps 9, training tokens 180" in text

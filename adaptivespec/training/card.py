@@ -186,6 +186,23 @@ def kind_coverage(run: Path, settings: dict, vocab: dict) -> list[str]:
     return rows
 
 
+def kind_validation(by_step: dict[int, dict], k: int) -> list[str]:
+    """Rows of the per-kind validation table: the last validation by draft step, and where the run began at j=0."""
+    steps = [s for s in sorted(by_step) if by_step[s].get("val_acc_by_kind")]
+    if not steps:
+        return []
+    first, last = by_step[steps[0]], by_step[steps[-1]]
+    rows = ["", f"Per kind of record (held-out rows labelled at j=0; j=0 at step {steps[0]} beside the last validation, "
+            f"step {steps[-1]}):", "",
+            "| kind | rows | j=0 at step " + f"{steps[0]} | " + " | ".join(f"j={j}" for j in range(k)) + " |",
+            "|---|---:|---:|" + "---:|" * k]
+    for kind, acc in last["val_acc_by_kind"].items():
+        start = first["val_acc_by_kind"].get(kind)
+        rows.append(f"| {kind} | {last['val_rows_by_kind'].get(kind, 0):,} | " + (f"{start[0]:.3f}" if start else "-")
+                    + " | " + " | ".join(f"{a:.3f}" for a in acc) + " |")
+    return rows
+
+
 def bench_section(path: Path) -> list[str]:
     """Per-category accepted length and speedup over plain decoding from ``adaptivespec bench`` results."""
     res = json.loads((path / "results.json" if path.is_dir() else path).read_text())
@@ -264,6 +281,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches
     for step in sorted(by_step):
         r = by_step[step]
         out.append(f"| {step} | {r.get('tokens', 0):,} | " + " | ".join(f"{a:.3f}" for a in r["val_acc"]) + " |")
+    out += kind_validation(by_step, k)
     out += ["", "## Mean accepted length", "",
             "tau = generated tokens / target forwards (bf16, static policy, strict verifier, "
             f"max {max_new} new tokens).", "", "| prompts | shape (nsteps, topk, ndt) | tau | per prompt |", "|---|---|---|---|"]

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from adaptivespec.training.data import Record, collate, epoch_order, plan_batches
+from adaptivespec.training.mix import kind_of
 from adaptivespec.training.ttt import target_features, ttt_loss
 
 
@@ -139,21 +140,29 @@ class Trainer:
             total += min(r.length, c.max_len)
         k = c.k_steps
         loss, correct, count = [0.0] * k, [0] * k, [0] * k
+        kinds: dict[str, list[list[int]]] = {}  # kind -> [rows per step, hits per step]
         d.eval()
         for group in plan_batches(recs, c.batch_tokens, c.max_len):
             part = [recs[i] for i in group]
             batch = collate(part, c.max_len, self.pad)
             feats = self.features(part, batch)
             with self._autocast():
-                st = ttt_loss(d, batch, feats, k, c.decay)
+                st = ttt_loss(d, batch, feats, k, c.decay, by_record=True)
             for j in range(k):
                 loss[j] += st.step_loss[j] * st.count[j]
                 correct[j] += st.correct[j]
                 count[j] += st.count[j]
+                rows, hits = (x.tolist() for x in st.by_record[j])
+                for r, n, h in zip(part, rows, hits):
+                    acc_k = kinds.setdefault(kind_of(r.id), [[0] * k, [0] * k])
+                    acc_k[0][j] += n
+                    acc_k[1][j] += h
         d.train()
         acc = [a / max(n, 1) for a, n in zip(correct, count)]
         return {"val_loss": [x / max(n, 1) for x, n in zip(loss, count)], "val_acc": acc, "val_rows": count,
-                "val_tokens": total, "val_acc_mean": sum(acc) / k}
+                "val_tokens": total, "val_acc_mean": sum(acc) / k,
+                "val_acc_by_kind": {kind: [h / max(n, 1) for n, h in zip(*v)] for kind, v in sorted(kinds.items())},
+                "val_rows_by_kind": {kind: v[0][0] for kind, v in sorted(kinds.items())}}
 
     # -- loop -------------------------------------------------------------------------------
     def run(self) -> State:

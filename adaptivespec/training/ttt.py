@@ -50,6 +50,7 @@ class StepStats:
     step_loss: list[float]
     correct: list[int]
     count: list[int]
+    by_record: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per step j: rows and top-1 hits per batch row [B]
 
 
 @torch.no_grad()
@@ -142,19 +143,19 @@ def _diag_attend(q, k0, v0, dk: list, dv: list, bias: torch.Tensor) -> torch.Ten
 
 
 def _step_loss(drafter, state: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, index: torch.Tensor | None = None):
+    """(mean loss, hits [n] bool, n) over the chains of ``state`` with a label (``rows >= 0``)."""
     sel = rows >= 0
     n = int(sel.sum())
     if n == 0:
-        return state.sum() * 0.0, 0, 0
+        return state.sum() * 0.0, torch.zeros(0, dtype=torch.bool), 0
     if index is not None:
         r = rows[sel]
         losses, correct = topk_cross_entropy(drafter.lm_head(drafter.norm(state[sel])), probs[r], index[r])
-        return losses.mean(), int(correct.sum()), n
+        return losses.mean(), correct, n
     logp = torch.log_softmax(drafter.lm_head(drafter.norm(state[sel])).float(), dim=-1)
     p = probs[rows[sel]]
     loss = -(p * logp).sum(-1).mean()
-    correct = int((logp.argmax(-1) == p.argmax(-1)).sum())
-    return loss, correct, n
+    return loss, logp.argmax(-1) == p.argmax(-1), n
 
 
 def unroll(drafter, ids: torch.Tensor, g: torch.Tensor, k_steps: int, first_chain: int = 0):
@@ -195,16 +196,23 @@ def unroll(drafter, ids: torch.Tensor, g: torch.Tensor, k_steps: int, first_chai
         yield j, s, state
 
 
-def ttt_loss(drafter, batch: Batch, feats: Features, k_steps: int, decay: float = 0.8) -> StepStats:
-    """The K-step TTT unroll of ``drafter`` on ``batch`` and its weighted loss (see module doc)."""
-    t = batch.ids.shape[1]
+def ttt_loss(drafter, batch: Batch, feats: Features, k_steps: int, decay: float = 0.8, by_record: bool = False) -> StepStats:
+    """The K-step TTT unroll of ``drafter`` on ``batch`` and its weighted loss (see module doc).
+
+    ``by_record``: also count labelled rows and top-1 hits per batch row at every step (validation per kind).
+    """
+    b, t = batch.ids.shape
     g = drafter.fc(feats.states.to(drafter.fc.weight.dtype))  # [B, T, H]
     s = max(0, int(batch.prompt_lens.min()) - 2)  # no chain before s has a loss at any step
-    total, losses, corrects, counts = 0.0, [], [], []
+    total, losses, corrects, counts, per = 0.0, [], [], [], []
     for j, off, state in unroll(drafter, batch.ids, g, k_steps, s):
-        loss, correct, count = _step_loss(drafter, state, feats.row[:, off + j + 2 : t + j + 2], feats.probs, feats.index)
+        rows = feats.row[:, off + j + 2 : t + j + 2]
+        loss, hits, count = _step_loss(drafter, state, rows, feats.probs, feats.index)
         total = total + decay**j * loss
         losses.append(float(loss.detach()))
-        corrects.append(correct)
+        corrects.append(int(hits.sum()))
         counts.append(count)
-    return StepStats(total, losses, corrects, counts)
+        if by_record:
+            bi = (rows >= 0).nonzero()[:, 0]
+            per.append((torch.bincount(bi, minlength=b), torch.bincount(bi, weights=hits.double(), minlength=b).long()))
+    return StepStats(total, losses, corrects, counts, per if by_record else None)
