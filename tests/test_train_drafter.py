@@ -167,9 +167,11 @@ def test_validation_counts_rows_and_hits_per_record(smol32):
 def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
     """eagle3.yaml as shipped, on a 658-token passage to summarise and a word problem (neither is a training prompt).
 
-    Issue 11 asks for tau > 2 on both; the shipped broad head (second run) reaches 1.61 and 1.82 here (bf16,
-    96 tokens), the first broad head 1.67 and 1.77, the former math/code head 1.50 and 1.56. This floor
-    catches a head that stops drafting outside math and code; raise it to the issue's 2.0 once a head gets there.
+    Issue 11 asks for tau > 2 on both; the shipped broad head (second run) reaches 1.94 and 1.82 here at
+    eagle3.yaml's (3, 4, 8) (1.61 and 1.82 at the former (3, 4, 6)); bf16, 96 tokens. The first broad head
+    had 1.67 and 1.77, the former math/code head 1.50 and 1.56. In bf16 a head can change which greedy text
+    the tree verification produces (a near-tie), so one prompt's tau moves with it. This floor catches a
+    head that stops drafting outside math and code; raise it to the issue's 2.0 once a head gets there.
     """
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
@@ -227,6 +229,13 @@ def test_model_card_lists_every_validation_and_resume(tmp_path):
     (tmp_path / "bench" / "results.json").write_text(json.dumps(res))
     text = card(tmp_path, evals, 2, 96, "cmd", [tmp_path / "bench"])
     assert "| translation | 3 | `eagle3` | 2.50 | 1.50x | 30.0 | 20.0 |" in text
+    # --bench-head: the contender that ran this card's head is listed first, before the reference
+    cat["configs"].append({"name": "new-head", "accept_length_mean": 3.0, "tokens_per_second": 36.0})
+    (tmp_path / "bench" / "results.json").write_text(json.dumps(res))
+    text = card(tmp_path, evals, 2, 96, "cmd", [tmp_path / "bench"], bench_head="new-head")
+    new_row, ref_row = "| translation | 3 | `new-head` | 3.00 | 1.80x | 36.0 | 20.0 |", "| translation | 3 | `eagle3` | 2.50 |"
+    assert new_row in text and ref_row in text and text.index(new_row) < text.index(ref_row)
+    cat["configs"].pop()
     res.update(categories={}, configs=cat["configs"], meta={**res["meta"], "dataset": "gsm8k", "prompts": 3})
     (tmp_path / "bench" / "results.json").write_text(json.dumps(res))
     assert "| gsm8k | 3 | `eagle3` | 2.50 | 1.50x |" in card(tmp_path, evals, 2, 96, "cmd", [tmp_path / "bench"])

@@ -203,10 +203,12 @@ def kind_validation(by_step: dict[int, dict], k: int) -> list[str]:
     return rows
 
 
-def bench_section(path: Path) -> list[str]:
-    """Per-category accepted length and speedup over plain decoding from ``adaptivespec bench`` results."""
+def bench_section(path: Path, head: str | None = None) -> list[str]:
+    """Per-category accepted length and speedup over plain decoding from ``adaptivespec bench`` results.
+
+    ``head``: the contender that ran this card's head, listed first (default: the run's reference)."""
     res = json.loads((path / "results.json" if path.is_dir() else path).read_text())
-    ar, ref = res.get("ar"), res.get("reference")
+    ar, ref = res.get("ar"), head or res.get("reference")
     meta = res["meta"]
     rows = [f"`{ref}` (and any other contender) against `{ar}` in one `adaptivespec bench` run, contenders alternating per prompt "
             f"({meta.get('dataset')}, {meta.get('max_new_tokens')} new tokens, "
@@ -227,7 +229,8 @@ def bench_section(path: Path) -> list[str]:
     return rows + [""]
 
 
-def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches: list[Path] = ()) -> str:
+def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches: list[Path] = (),
+         bench_head: str | None = None) -> str:
     settings = json.loads((run / "training" / "run.json").read_text())
     vocab = json.loads((run / "training" / "vocab.json").read_text())
     rows = _rows(run)
@@ -294,7 +297,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches
     if benches:
         out += ["## Per task category (evaluation prompts)", ""]
     for b in benches:
-        out += bench_section(b)
+        out += bench_section(b, bench_head)
     return "\n".join(out)
 
 
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--bench", type=Path, nargs="*", default=[],
                    help="results.json of adaptivespec bench runs to table per category")
+    p.add_argument("--bench-head", metavar="NAME", help="the bench contender that ran this head, listed first "
+                   "(default: each run's reference, eagle3 when present)")
     args = p.parse_args(argv)
     for b in args.bench:
         if not (b / "results.json" if b.is_dir() else b).is_file():
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = {name: [measure(head, ids, args.max_new_tokens, s) for s in SHAPES] for name, ids in sets.items()}
     print(json.dumps(evals), flush=True)
     command = "python -m adaptivespec.training.card " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = card(args.run, evals, args.prompts, args.max_new_tokens, command, args.bench)
+    text = card(args.run, evals, args.prompts, args.max_new_tokens, command, args.bench, args.bench_head)
     (head / "README.md").write_text(text)
     print(f"wrote {head / 'README.md'}", file=sys.stderr)
     return 0
