@@ -142,23 +142,37 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
         assert json.loads((warm / "training" / "run.json").read_text())["init_from"] == "embedded"
 
 
+@pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped head in adaptivespec/heads")
 def test_validation_counts_rows_and_hits_per_record(smol32):
-    """ttt_loss(by_record=True): each batch row's labelled positions and top-1 hits, summing to the step totals."""
-    from adaptivespec.training.cli import build_drafter
+    """ttt_loss(by_record=True) on a batch of two records: at draft step 0 each row's labelled positions
+    and top-1 hits are what the same record scores alone (a trained head, so hits are not all zero);
+    at every step the rows add up to the step's totals. (Steps >= 1 unroll only chains from the batch's
+    shortest prompt - 2, so there a record's rows depend on its batch mates.)"""
+    from adaptivespec.drafter import Eagle3Drafter
+    from adaptivespec.models import encode_prompt
     from adaptivespec.training.data import Record, collate
-    from adaptivespec.training.ttt import loss_mask, target_features, ttt_loss
+    from adaptivespec.training.ttt import target_features, ttt_loss
 
     model, tok = smol32
-    vocab = torch.arange(2, 514)
-    head = build_drafter(model, vocab, seed=0)
-    recs = [Record("math-a", list(range(300, 310)), list(range(320, 340)) + [2]), Record("rag-b", list(range(400, 405)), [5, 6, 7, 2])]
-    batch = collate(recs, 64, tok.eos_token_id)
-    feats = target_features(model, head.aux_layers, batch, vocab, head.t2d, 3)
-    st = ttt_loss(head, batch, feats, 3, by_record=True)
-    for j, (rows, hits) in enumerate(st.by_record):
-        assert int(rows.sum()) == st.count[j] and int(hits.sum()) == st.correct[j] and bool((hits <= rows).all())
-    assert st.by_record[0][0].tolist() == loss_mask(batch, head.t2d)[:, 2:].sum(1).tolist()  # step 0 predicts q >= 2
-    assert ttt_loss(head, batch, feats, 3).by_record is None
+    head = Eagle3Drafter.from_pretrained(SHIPPED, model, dtype=torch.float32)
+    vocab = torch.arange(head.d2t.shape[0]) + head.d2t.cpu()
+    eos = tok.eos_token_id
+    recs = [Record("math-a", encode_prompt(tok, "What is 12 times 7?"), tok.encode("12 times 7 is 84. The answer is 84.") + [eos]),
+            Record("rag-b", encode_prompt(tok, "Name a color."), tok.encode("Blue is a color.") + [eos])]
+
+    def stats(part, by_record=True):
+        batch = collate(part, 256, eos)
+        return ttt_loss(head, batch, target_features(model, head.aux_layers, batch, vocab, head.t2d, 3), 3, by_record=by_record)
+
+    both = stats(recs)
+    assert both.correct[0] > 0
+    for b, rec in enumerate(recs):
+        alone = stats([rec])
+        rows, hits = both.by_record[0]
+        assert (int(rows[b]), int(hits[b])) == (alone.count[0], alone.correct[0]), rec.id
+    for j, (rows, hits) in enumerate(both.by_record):
+        assert (int(rows.sum()), int(hits.sum())) == (both.count[j], both.correct[j])
+    assert stats(recs, by_record=False).by_record is None
 
 
 # -- the shipped head -----------------------------------------------------------------------------

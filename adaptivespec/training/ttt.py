@@ -203,7 +203,9 @@ def ttt_loss(drafter, batch: Batch, feats: Features, k_steps: int, decay: float 
     """
     b, t = batch.ids.shape
     g = drafter.fc(feats.states.to(drafter.fc.weight.dtype))  # [B, T, H]
-    s = max(0, int(batch.prompt_lens.min()) - 2)  # no chain before s has a loss at any step
+    # chains before s have no loss at step 0; at step j >= 1 chains from P_min - j - 2 on do, so the few
+    # between are left out (which ones depends on the batch's shortest prompt)
+    s = max(0, int(batch.prompt_lens.min()) - 2)
     total, losses, corrects, counts, per = 0.0, [], [], [], []
     for j, off, state in unroll(drafter, batch.ids, g, k_steps, s):
         rows = feats.row[:, off + j + 2 : t + j + 2]
