@@ -144,10 +144,10 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
 
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped head in adaptivespec/heads")
 def test_validation_counts_rows_and_hits_per_record(smol32):
-    """ttt_loss(by_record=True) on a batch of two records: at draft step 0 each row's labelled positions
-    and top-1 hits are what the same record scores alone (a trained head, so hits are not all zero);
-    at every step the rows add up to the step's totals. (Steps >= 1 unroll only chains from the batch's
-    shortest prompt - 2, so there a record's rows depend on its batch mates.)"""
+    """ttt_loss(by_record=True) on a batch of two records with prompts of different lengths: at every
+    draft step each row's labelled positions and top-1 hits are what the same record scores alone (a
+    trained head, so hits are not all zero; no chain with a label is left out of the unroll whatever
+    the batch mates), and the rows add up to the step's totals."""
     from adaptivespec.drafter import Eagle3Drafter
     from adaptivespec.models import encode_prompt
     from adaptivespec.training.data import Record, collate
@@ -166,10 +166,11 @@ def test_validation_counts_rows_and_hits_per_record(smol32):
 
     both = stats(recs)
     assert both.correct[0] > 0
+    assert len({len(r.prompt_ids) for r in recs}) == 2
     for b, rec in enumerate(recs):
         alone = stats([rec])
-        rows, hits = both.by_record[0]
-        assert (int(rows[b]), int(hits[b])) == (alone.count[0], alone.correct[0]), rec.id
+        for j, (rows, hits) in enumerate(both.by_record):
+            assert (int(rows[b]), int(hits[b])) == (alone.count[j], alone.correct[j]), (rec.id, j)
     for j, (rows, hits) in enumerate(both.by_record):
         assert (int(rows.sum()), int(hits.sum())) == (both.count[j], both.correct[j])
     assert stats(recs, by_record=False).by_record is None

@@ -203,9 +203,9 @@ def ttt_loss(drafter, batch: Batch, feats: Features, k_steps: int, decay: float 
     """
     b, t = batch.ids.shape
     g = drafter.fc(feats.states.to(drafter.fc.weight.dtype))  # [B, T, H]
-    # chains before s have no loss at step 0; at step j >= 1 chains from P_min - j - 2 on do, so the few
-    # between are left out (which ones depends on the batch's shortest prompt)
-    s = max(0, int(batch.prompt_lens.min()) - 2)
+    # at step j the first labelled chain of a record with prompt length P is P - j - 2, so steps >= 1
+    # unroll from the batch's shortest prompt - K - 1: no chain with a label at any step is left out
+    s = max(0, int(batch.prompt_lens.min()) - k_steps - 1)
     total, losses, corrects, counts, per = 0.0, [], [], [], []
     for j, off, state in unroll(drafter, batch.ids, g, k_steps, s):
         rows = feats.row[:, off + j + 2 : t + j + 2]
