@@ -24,7 +24,7 @@ import torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--distilled", type=Path, default=Path("/work/shared/data/distill/smollm2-135m-instruct.jsonl"))
+    p.add_argument("--distilled", type=Path, default=None, help="distilled records (default: DATA_ROOT/distill/smollm2-135m-instruct.jsonl)")
     p.add_argument("--records", type=int, default=300)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--threads", type=int, default=1)
@@ -40,12 +40,13 @@ def main() -> None:
     from adaptivespec.models import load_target
     from adaptivespec.training import features
     from adaptivespec.training.cli import build_drafter
-    from adaptivespec.training.data import read_records, split
+    from adaptivespec.training.data import DATA_ROOT, read_records, split
     from adaptivespec.training.trainer import Trainer, TrainConfig
     from adaptivespec.training.vocab import token_counts, top_ids
 
+    distilled = a.distilled or DATA_ROOT / "distill" / "smollm2-135m-instruct.jsonl"
     target, tok = load_target("smollm2-135m-instruct", "bfloat16")
-    records = read_records(a.distilled)[: a.records]
+    records = read_records(distilled)[: a.records]
     train, val = split(records, 0.025, 0)
     vocab = top_ids(token_counts(train, target.config.vocab_size), a.draft_vocab)
     key = features.cache_key(target="smollm2-135m-instruct", target_dtype="bfloat16", aux_layers=[1, 14, 26],

@@ -21,7 +21,7 @@ import torch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--distilled", type=Path, default=Path("/work/shared/data/distill/smollm2-135m-instruct.jsonl"))
+    p.add_argument("--distilled", type=Path, default=None, help="distilled records (default: DATA_ROOT/distill/smollm2-135m-instruct.jsonl)")
     p.add_argument("--head", default="embedded")
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens evaluated")
     p.add_argument("--batch-tokens", type=int, default=2048)
@@ -34,13 +34,14 @@ def main() -> None:
 
     from adaptivespec.drafter import Eagle3Drafter
     from adaptivespec.models import load_target
-    from adaptivespec.training.data import collate, plan_batches, read_records, split
+    from adaptivespec.training.data import DATA_ROOT, collate, plan_batches, read_records, split
     from adaptivespec.training.ttt import Features, target_features, ttt_loss
 
+    distilled = a.distilled or DATA_ROOT / "distill" / "smollm2-135m-instruct.jsonl"
     target, tok = load_target("smollm2-135m-instruct", "bfloat16")
     head = Eagle3Drafter.from_pretrained(a.head, target, dtype=torch.float32).train()
     vocab = head.t2d.nonzero().squeeze(-1)
-    _, val = split(read_records(a.distilled), 0.025, 0)
+    _, val = split(read_records(distilled), 0.025, 0)
     recs, total = [], 0
     for r in val:
         if total >= a.tokens:

@@ -1,7 +1,7 @@
 """Training data: prompts, self-distillation by batched greedy decoding, and token batches.
 
 A record is one prompt and the target's own greedy answer, as token ids (the format of
-``/work/shared/data/distill``)::
+``shared/data/distill``)::
 
     {"id": "gsm8k-train-12", "prompt_ids": [...chat template...], "response_ids": [..., 2]}
 
