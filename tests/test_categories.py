@@ -110,6 +110,28 @@ def test_per_category_aggregation():
     assert "| rag | `lossy` | 0/1 | – |" in md and "* incomplete" not in md  # not run at all: a dash, no mark
 
 
+def test_per_category_reach_of_drafted_depths():
+    """Each category's row keeps the accepted-per-step histogram of that category's steps, and results.md
+    shows the share of steps accepting >= 1, 2, 3 drafted tokens (their sum is tau - 1 when no step accepts more)."""
+    from adaptivespec.evaluation.categories import reach
+
+    spec, probs, recs = _spec_and_records()
+    cat = {p.id: category_of(p) for p in probs}
+    for r in recs:
+        if r["config"] == "eagle3":
+            r["accepted"] = [0, 1, 2, 3] if cat[r["id"]] == "translation" else [0, 0, 1, 1]
+    res = summarize(spec, probs, recs)
+    rows = {c: {r["name"]: r for r in v["configs"]} for c, v in res["categories"].items()}
+    assert rows["translation"]["eagle3"]["accepted_per_step"]["histogram"] == {"0": 4, "1": 4, "2": 4, "3": 4}
+    assert reach(rows["translation"]["eagle3"]["accepted_per_step"]) == [0.75, 0.5, 0.25]
+    assert reach(rows["qa"]["eagle3"]["accepted_per_step"]) == [0.5, 0.0, 0.0]
+    assert reach(rows["qa"]["ar"]["accepted_per_step"]) is None
+    md = bench.markdown(res)
+    assert "steps accepting ≥1/≥2/≥3" in md
+    assert next(x for x in md.splitlines() if x.startswith("| translation | `eagle3` |")).split(" | ")[7].rstrip(" |") == "0.75 / 0.50 / 0.25"
+    assert next(x for x in md.splitlines() if x.startswith("| qa | `ar` |")).split(" | ")[7].rstrip(" |") == "–"
+
+
 def test_category_outputs_written(tmp_path):
     spec, probs, recs = _spec_and_records()
     res = summarize(spec, probs, recs)

@@ -33,8 +33,12 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 
 CATEGORY_FIELDS = ("name", "kind", "lossless", "autoregressive", "prompts", "complete", "new_tokens", "wall_seconds",
                    "tokens_per_second", "speedup_vs_ar", "speedup_vs_eagle3", "speedup_vs_reference",
-                   "accept_length_mean", "accuracy", "correct", "graded", "retention", "answer_agreement")
+                   "accept_length_mean", "accuracy", "correct", "graded", "retention", "answer_agreement",
+                   "accepted_per_step")
 """Per-contender fields kept in each category's table (``sweep`` rows keep their swept values too)."""
+
+DEPTHS = 3
+"""Drafted-token depths the per-category table shows the reach of (``accepted >= d`` for d = 1..DEPTHS)."""
 
 CATEGORY_PLOT = "category_speedup.png"
 
@@ -116,6 +120,21 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _reach_cell(accepted_per_step: dict[str, Any] | None) -> str:
+    shares = reach(accepted_per_step)
+    return "–" if shares is None else " / ".join(f"{x:.2f}" for x in shares)
+
+
+def reach(accepted_per_step: dict[str, Any] | None, depths: int = DEPTHS) -> list[float] | None:
+    """Share of speculative steps that accepted at least d drafted tokens, d = 1..depths (None: no steps).
+
+    tau - 1 is the sum of these shares over every depth, so the list shows where a tree loses its tokens."""
+    if not accepted_per_step or not accepted_per_step.get("steps"):
+        return None
+    n, hist = accepted_per_step["steps"], accepted_per_step["histogram"]
+    return [sum(v for k, v in hist.items() if int(k) >= d) / n for d in range(1, depths + 1)]
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The per-category section of ``results.md``: a speedup-vs-AR overview (contenders x
     categories, τ in brackets), then one table per category (empty string without categories)."""
@@ -142,13 +161,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "\\* incomplete: the contender has not run every prompt of that category."]
     graded = any(r["graded"] for c in cats.values() for r in c["configs"])
     head = ["category", "config", "prompts", "tok/s", "speedup vs AR", "speedup vs EAGLE-3", "accept length τ",
-            *(["accuracy"] if graded else [])]
+            "steps accepting ≥" + "/≥".join(map(str, range(1, DEPTHS + 1))), *(["accuracy"] if graded else [])]
     lines += ["", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for cat, c in cats.items():
         for r in c["configs"]:
             acc = ("–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}% ({r['correct']}/{r['graded']})")
             cells = [cat, f"`{r['name']}`", f"{r['prompts']}/{c['prompts']}", _fmt(r["tokens_per_second"], ".2f"),
                      _fmt(r["speedup_vs_ar"], ".2f", "×"), _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
-                     _fmt(r["accept_length_mean"], ".2f"), *([acc] if graded else [])]
+                     _fmt(r["accept_length_mean"], ".2f"), _reach_cell(r.get("accepted_per_step")), *([acc] if graded else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
