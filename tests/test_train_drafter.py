@@ -180,19 +180,22 @@ def test_validation_counts_rows_and_hits_per_record(smol32):
 @pytest.mark.model
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped head in adaptivespec/heads")
 def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
-    """eagle3.yaml as shipped, on a 658-token passage to summarise and a word problem (neither is a training prompt).
+    """eagle3.yaml as shipped, in float32, on a 658-token passage to summarise and a word problem (neither
+    is a training prompt).
 
-    Issue 11 asks for tau > 2 on both; the shipped broad head (second run) reaches 1.94 and 1.82 here at
-    eagle3.yaml's (3, 4, 8) (1.61 and 1.82 at the former (3, 4, 6)); bf16, 96 tokens. The first broad head
-    had 1.67 and 1.77, the former math/code head 1.50 and 1.56. In bf16 a head can change which greedy text
-    the tree verification produces (a near-tie), so one prompt's tau moves with it. This floor catches a
-    head that stops drafting outside math and code; raise it to the issue's 2.0 once a head gets there.
+    Issue 11 asks for tau > 2 on both. Float32, so that every head verifies its way to the same greedy text
+    and tau measures the head alone: in bf16 a tree's verify forward can flip a near-tie, and a head is then
+    scored on a different text (the fourth broad run drafted tau 1.50 in bf16 on a 96-token summary the
+    shipped head never reached, 1.70 in float32 on the same text as the head before it). At eagle3.yaml's
+    (3, 4, 8), 96 tokens, float32: the fourth run 1.70 and 2.05, the second run 1.70 and 1.95 (bf16: 1.94 and
+    1.82). This floor catches a head that stops drafting outside math and code; raise it to the issue's 2.0
+    once a head gets there.
     """
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
     from adaptivespec.training.card import FIXED_PROMPTS
 
-    engine = Engine(load_config(Path(__file__).resolve().parents[1] / "configs" / "eagle3.yaml"))
+    engine = Engine(load_config(Path(__file__).resolve().parents[1] / "configs" / "eagle3.yaml", ["runtime.dtype=float32"]))
     taus = [engine.generate(text, max_new_tokens=96).stats["accept_length_mean"] for text in FIXED_PROMPTS]
     assert min(taus) > 1.5 and sum(taus) / len(taus) > 1.6, taus
 
