@@ -185,8 +185,8 @@ def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
 
     Issue 11 asks for tau > 2 on both. Float32, so that every head verifies its way to the same greedy text
     and tau measures the head alone: in bf16 a tree's verify forward can flip a near-tie, and a head is then
-    scored on a different text (the fourth broad run drafted tau 1.50 in bf16 on a 96-token summary the
-    shipped head never reached, 1.70 in float32 on the same text as the head before it). At eagle3.yaml's
+    scored on a different text (in bf16 the fourth broad run verified its way to a 96-token summary and drafted
+    tau 1.50 on it, the second run to a 60-token one; in float32 both decode one text, at 1.70). At eagle3.yaml's
     (3, 4, 8), 96 tokens, float32: the fourth run 1.70 and 2.05, the second run 1.70 and 1.95 (bf16: 1.94 and
     1.82). This floor catches a head that stops drafting outside math and code; raise it to the issue's 2.0
     once a head gets there.
