@@ -187,9 +187,9 @@ def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
     and tau measures the head alone: in bf16 a tree's verify forward can flip a near-tie, and a head is then
     scored on a different text (in bf16 the fourth broad run verified its way to a 96-token summary and drafted
     tau 1.50 on it, the second run to a 60-token one; in float32 both decode one text, at 1.70). At eagle3.yaml's
-    (3, 4, 8), 96 tokens, float32: the fourth run 1.70 and 2.05, the second run 1.70 and 1.95 (bf16: 1.94 and
-    1.82). This floor catches a head that stops drafting outside math and code; raise it to the issue's 2.0
-    once a head gets there.
+    (3, 4, 8), 96 tokens, float32: the fifth run (shipped 2026-12-02) 1.70 and 2.44 (bf16: 1.88 and 2.22), the
+    fourth 1.70 and 2.05, the second 1.70 and 1.95. This floor catches a head that stops drafting outside math
+    and code (the mean floor was 1.6 until the fifth run); raise it to the issue's 2.0 once a head gets there.
     """
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
@@ -197,7 +197,7 @@ def test_shipped_head_drafts_on_a_long_passage_summary_and_a_word_problem():
 
     engine = Engine(load_config(Path(__file__).resolve().parents[1] / "configs" / "eagle3.yaml", ["runtime.dtype=float32"]))
     taus = [engine.generate(text, max_new_tokens=96).stats["accept_length_mean"] for text in FIXED_PROMPTS]
-    assert min(taus) > 1.5 and sum(taus) / len(taus) > 1.6, taus
+    assert min(taus) > 1.5 and sum(taus) / len(taus) > 1.9, taus
 
 
 def test_model_card_measures_eagle3_yaml_shape_first():
