@@ -15,7 +15,6 @@ per-kind agreement at step 0 vs tokens, with a vertical line where each run bega
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,11 +24,11 @@ class LineageError(ValueError):
 
 
 def validations(run: Path) -> list[dict]:
-    log = run / "training" / "log.jsonl"
-    if not log.is_file():
+    from adaptivespec.training.card import log_rows
+
+    if not (run / "training" / "log.jsonl").is_file():
         raise LineageError(f"{str(run)!r}: no training/log.jsonl; expected a train-drafter --out folder")
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "val_acc" in r]
+    return [r for r in log_rows(run) if "val_acc" in r]
 
 
 def lineage(runs: list[Path]) -> list[dict]:

@@ -94,7 +94,8 @@ def _machine() -> str:
     return f"{m['cpu']}, {m['usable_cpus']} usable CPUs" + (f", {gpus}" if gpus else ", no GPU")
 
 
-def _rows(run: Path) -> list[dict]:
+def log_rows(run: Path) -> list[dict]:
+    """Every row of a train-drafter run's ``training/log.jsonl`` (empty when it has none)."""
     path = run / "training" / "log.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
@@ -233,7 +234,7 @@ def card(run: Path, evals: dict, n_val: int, max_new: int, command: str, benches
          bench_head: str | None = None) -> str:
     settings = json.loads((run / "training" / "run.json").read_text())
     vocab = json.loads((run / "training" / "vocab.json").read_text())
-    rows = _rows(run)
+    rows = log_rows(run)
     val = [r for r in rows if r["kind"] == "val"]
     last = val[-1] if val else {}
     first_time, last_time = (rows[0]["time"], rows[-1]["time"]) if rows else ("?", "?")
