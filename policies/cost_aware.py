@@ -19,6 +19,8 @@ every decision into tokens per millisecond:
                           - R * (per_draft_level + b * per_draft_node) ]  >  0
 
   (each beam path continued one node per level, verified only where it pays for its token);
+  ``explore`` > 0 prices every ``cont`` at an upper confidence bound instead, so that a depth the
+  rule stopped drafting on old evidence is tried again as that evidence decays;
   ``lookahead: 0`` is the myopic rule, the next level alone with every beam child verified::
 
       sum(v_i) * cont[d + 1]  >  R * (per_draft_level + b * (per_draft_node + per_verified_token))
@@ -119,6 +121,14 @@ class CostAwareParams:
     next L levels, each beam node's path continued at the learned continuation rates and only the
     nodes that pay for their verified token counted."""
 
+    explore: float = attrs.field(default=0.0, validator=number_in(0, None))
+    """Optimism of the level rule about going deeper: with ``explore`` > 0 it prices the next levels
+    with an upper confidence bound on the continuation rates, ``p + explore * sqrt(p (1 - p) / n)``
+    (``n`` the decayed count behind ``p``), not with ``p`` itself. A depth the rule stopped drafting
+    gets no new evidence, so its count decays and the bound widens until the level is tried again;
+    0 (the default) prices with ``p`` alone, where a rate pulled down by one kind of prompt can stay
+    down (README, "Known problem"). 1.0 tied 0 on held-out training prompts (README), so it is off."""
+
     def __attrs_post_init__(self) -> None:
         top = max(self.buckets)
         cap = self.topk + (self.max_depth - 1) * self.topk * self.topk
@@ -215,7 +225,7 @@ class CostAwarePolicy(TreePolicy):
         if self.params.lookahead:
             margin = self._lookahead_margin(top, depth, shape.nsteps - depth, rate)
         else:  # myopic: the next level alone, every beam child verified
-            cont = self._cont_a[depth + 1] / self._cont_n[depth + 1] if depth + 1 < self._cont_n.shape[0] else 0.0
+            cont = float(self._continuation(np.array([depth + 1]))[0]) if depth + 1 < self._cont_n.shape[0] else 0.0
             gain = float(top.sum()) * cont
             margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
         self._level_gain.append(margin)
@@ -235,10 +245,18 @@ class CostAwarePolicy(TreePolicy):
         [beam, L] array."""
         c, L = self.cost, min(self.params.lookahead, levels_left)
         idx = np.minimum(np.arange(depth + 1, depth + 1 + L), self._cont_n.shape[0] - 1)  # deeper ones share the last
-        reach = np.cumprod(self._cont_a[idx] / self._cont_n[idx])  # [L] P(path goes on j more levels)
+        reach = np.cumprod(self._continuation(idx))  # [L] P(path goes on j more levels)
         surplus = np.maximum(beam_values[:, None] * reach[None, :] - rate * c.per_verified_token, 0.0).sum(0)
         draft = rate * (c.per_draft_level + beam_values.shape[0] * c.per_draft_node)
         return float(np.cumsum(surplus - draft).max())
+
+    def _continuation(self, idx: np.ndarray) -> np.ndarray:
+        """The continuation rates the level rule prices with: the upper confidence bound of
+        ``explore`` (see :class:`CostAwareParams`) on each observed rate."""
+        n, p = self._cont_n[idx], self._cont_a[idx] / self._cont_n[idx]
+        if not self.params.explore:
+            return p
+        return np.minimum(1.0, p + self.params.explore * np.sqrt(p * (1.0 - p) / n))
 
     def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
         values = np.concatenate(self._values)

@@ -287,3 +287,22 @@ def test_continuation_rate_counts_accepted_nodes_with_verified_children(tmp_path
     pol.observe_tree(tree, VerifyResult(path=[0, 1], tokens=[5, 8]))  # stopped at 1 although 3 was verified
     assert (pol._cont_n - n0).tolist()[:4] == [0, 2, 2, 0]
     assert (pol._cont_a - a0).tolist()[:4] == [0, 2, 1, 0]
+
+
+@pytest.mark.parametrize("explore", [0.0, 1.0])
+def test_a_level_stopped_on_old_evidence_is_tried_again_only_with_explore(tmp_path, explore):
+    """The trap of 2026-12-02: a continuation rate measured low on one kind of prompt stops the level
+    rule from drafting that depth, so the rate never sees new evidence. With ``explore`` the bound
+    widens as the old evidence decays and the level is drafted again; with 0 it never is."""
+    scores = [-0.02, -6.0, -7.0, -8.0]
+    pol = make_policy(tmp_path, level=4.0, token=6.0, lookahead=1, decay=0.9, explore=explore)
+    pol._cont_n[2], pol._cont_a[2] = 100.0, 20.0  # depth 1 -> 2 went on 20% of 100 times
+    _, beam = level_one(pol, scores)
+    assert beam.numel() == 0 and pol.state()["stop"] == "cost"
+    # 40 steps whose trees stop at depth 1: no evidence about depth 2, the counts decay
+    shallow = make_tree(torch.tensor([9, 5]), torch.tensor([-1, 0]), draft_logp=torch.tensor([0.0, -0.02]))
+    for _ in range(40):
+        pol.observe_tree(shallow, VerifyResult(path=[0, 1], tokens=[5, 8]))
+    assert pol.continuation()[2] == pytest.approx(0.2)  # the point estimate has not moved
+    _, beam = level_one(pol, scores)
+    assert beam.numel() == (4 if explore else 0)

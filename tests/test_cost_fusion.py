@@ -204,7 +204,7 @@ def concentrated(tmp_path):
 
 def test_lookahead_expands_where_the_myopic_rule_stops(concentrated):
     make, scores = concentrated
-    myopic, ahead = make(lookahead=0), make(lookahead=2)
+    myopic, ahead = make(lookahead=0, explore=0.0), make(lookahead=2, explore=0.0)  # the rules at the point estimate
     _, beam = level_one(myopic, scores)
     assert beam.numel() == 0 and myopic.state()["stop"] == "cost"  # 4 children priced as verified
     _, beam = level_one(ahead, scores)
