@@ -225,7 +225,7 @@ class CostAwarePolicy(TreePolicy):
         if self.params.lookahead:
             margin = self._lookahead_margin(top, depth, shape.nsteps - depth, rate)
         else:  # myopic: the next level alone, every beam child verified
-            cont = float(self._continuation(np.array([depth + 1]))[0]) if depth + 1 < self._cont_n.shape[0] else 0.0
+            cont = float(self._continuation(depth + 1)) if depth + 1 < self._cont_n.shape[0] else 0.0
             gain = float(top.sum()) * cont
             margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
         self._level_gain.append(margin)
@@ -250,9 +250,9 @@ class CostAwarePolicy(TreePolicy):
         draft = rate * (c.per_draft_level + beam_values.shape[0] * c.per_draft_node)
         return float(np.cumsum(surplus - draft).max())
 
-    def _continuation(self, idx: np.ndarray) -> np.ndarray:
-        """The continuation rates the level rule prices with: the upper confidence bound of
-        ``explore`` (see :class:`CostAwareParams`) on each observed rate."""
+    def _continuation(self, idx):
+        """The continuation rates at depth index (or indices) ``idx`` that the level rule prices with:
+        the upper confidence bound of ``explore`` (see :class:`CostAwareParams`) on each observed rate."""
         n, p = self._cont_n[idx], self._cont_a[idx] / self._cont_n[idx]
         if not self.params.explore:
             return p
