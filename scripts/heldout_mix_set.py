@@ -10,6 +10,11 @@ evaluation set). Categories are the mix kinds as ``mix:<kind>`` (``mix:math`` is
         --out runs/tuning/heldout-mix.jsonl
     adaptivespec sweep --config configs/eagle3.yaml --reference configs/ar.yaml --param policy.nsteps=3,4,5 \\
         --dataset specbench --data runs/tuning/heldout-mix.jsonl --max-new-tokens 96
+
+The tail stays unseen only while generation has not reached it: ``corpus/reserved-ids.txt`` (the last
+40 eligible prompts of each kind, written with ``--per-kind 40 --ids-out``) is passed to
+``train-drafter --reserve-ids``, which never generates or trains on them, so every set drawn here with
+``--skip`` + ``--per-kind`` <= 40 stays the same however far the corpus grows.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=0, help="leave out the last N eligible prompts of each kind first "
                     "(a set disjoint from one made with --per-kind N; default 0)")
     ap.add_argument("--out", required=True, type=Path, help="JSON-lines file to write (Spec-Bench fields)")
+    ap.add_argument("--ids-out", type=Path, help="also write the set's prompt ids, one per line (for train-drafter --reserve-ids)")
     ap.add_argument("--mix", default=None, help="the mix the corpus was drawn with (default: the default mix)")
     ap.add_argument("--max-prompts", type=int, default=20000, help="the corpus' --max-prompts (default 20000)")
     ap.add_argument("--prompt-seed", type=int, default=20261129, help="the corpus' --prompt-seed (default 20261129)")
@@ -72,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = heldout(prompts, seen, args.per_kind, args.max_chars, args.skip)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.ids_out is not None:
+        args.ids_out.parent.mkdir(parents=True, exist_ok=True)
+        args.ids_out.write_text("".join(r["question_id"] + "\n" for r in rows))
     kinds = sorted({r["category"] for r in rows})
     print(f"wrote {args.out}: {len(rows)} prompts ({', '.join(kinds)}), none of the {len(seen)} corpus records")
     return 0

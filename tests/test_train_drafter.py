@@ -36,6 +36,7 @@ def test_budget_units(text, expected):
     (["--resume"], ["--resume", "no checkpoint"]),
     (["--data", str(DATA_ROOT / "gsm8k" / "test.jsonl")], ["--data", "evaluation set"]),
     (["--val-ids", "/no/such.txt"], ["--val-ids", "/no/such.txt", "record ids"]),
+    (["--reserve-ids", "/no/such.txt"], ["--reserve-ids", "/no/such.txt", "record ids"]),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
     assert run_cli(["--out", str(tmp_path / "o"), "--quiet", *argv]) == AdaptiveSpecError.exit_code
@@ -49,6 +50,38 @@ def test_val_ids_hold_out_exactly_those_records():
     records = [Record(f"r{i}", [1], [2, 3]) for i in range(40)]
     train, val = split(records, 0.025, 0, {"r3", "r17", "not-a-record"})
     assert [r.id for r in val] == ["r3", "r17"] and len(train) == 38 and not {r.id for r in train} & {"r3", "r17"}
+
+
+def test_reserved_ids_are_never_generated_or_trained_on(tmp_path, monkeypatch):
+    """--reserve-ids: a reserved prompt is not handed to generation (a two-turn prompt's first turn
+    neither), and reserved records in a pre-generated corpus are dropped before the split."""
+    import argparse
+
+    import adaptivespec.training.data as data
+    from adaptivespec.training.data import Prompt
+
+    reserve = tmp_path / "reserved.txt"
+    reserve.write_text("math-1\nchat2-7\n")
+    corpus = tmp_path / "distill.jsonl"
+    ids = ["math-0", "math-1", "chat2-7-t1", "chat2-7", "code-2"]
+    corpus.write_text("".join(json.dumps({"id": i, "prompt_ids": [1], "response_ids": [2]}) + "\n" for i in ids))
+    args = argparse.Namespace(distilled=corpus, max_prompts=None, reserve_ids=reserve, mix=None)
+    assert [r.id for r in cli.load_records(args, None, None)] == ["math-0", "code-2"]
+
+    handed = []
+
+    def fake_distill(model, tok, prompts, out, **kw):
+        handed.extend(p.id for p in prompts)
+        return data.read_records(corpus)
+
+    prompts = [Prompt("math-0", "a"), Prompt("math-1", "b"), Prompt("chat2-7", "c", follow_up="d"), Prompt("code-2", "e")]
+    monkeypatch.setattr(data, "distill", fake_distill)
+    monkeypatch.setattr(data, "load_prompts", lambda *a, **k: prompts)
+    args = argparse.Namespace(distilled=None, max_prompts=None, reserve_ids=reserve, mix=None, data=["x"],
+                              data_root=tmp_path, prompt_seed=0, out=tmp_path / "o", gen_batch=1, max_new_tokens=4,
+                              quiet=True, gen_tokens=64)
+    assert [r.id for r in cli.load_records(args, None, None)] == ["math-0", "code-2"]
+    assert handed == ["math-0", "code-2"]
 
 
 def test_eval_sets_are_refused():

@@ -203,6 +203,9 @@ def test_model_card_records_the_mix_and_relative_paths(tmp_path):
     (tmp_path / "training" / "validation.txt").write_text("rag-t0-quoref-1\n")
     text = "\n".join(data_section(tmp_path, {**settings, "val_ids": str(tmp_path / "val.txt")}, {"train_response_tokens": 6}))
     assert "the records named in `val.txt` (`--val-ids`), 1 held out" in text and "split 75.0" not in text
+    assert "--reserve-ids" not in text
+    text = "\n".join(data_section(tmp_path, {**settings, "reserve_ids": str(tmp_path / "reserved.txt")}, {"train_response_tokens": 6}))
+    assert "`reserved.txt` (`--reserve-ids`) are set aside for tuning" in text
     legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
                                                "seed": 0}, {"train_response_tokens": 6}))
     assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy

@@ -123,6 +123,9 @@ def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
         split = (f"Records split {100 * (1 - settings['val_frac']):.1f} / {100 * settings['val_frac']:.1f} % "
                  f"(seed {settings['seed']}) into training and held-out validation; ")
     split += f"{vocab['train_response_tokens']:,} training response tokens."
+    if settings.get("reserve_ids"):
+        split += (f" The prompts named in `{_shown(settings['reserve_ids'])}` (`--reserve-ids`) are set aside for "
+                  "tuning: never generated, trained or validated on.")
     if settings.get("mix") is None:
         return [f"Self-distillation: `{_shown(settings['distilled']) if settings.get('distilled') else 'generated'}` — "
                 "the target's own greedy answers (chat template, one user message) to GSM8K *train*, CodeAlpaca and "

@@ -36,7 +36,7 @@ DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
 KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
                   "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk",
-                  "init_from", "val_ids")
+                  "init_from", "val_ids", "reserve_ids")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
 
@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--val-frac", type=float, default=0.025, help="held-out validation fraction of the records")
     a("--val-ids", type=Path, metavar="FILE", help="hold out exactly the records with these ids (one per line) "
       "as validation instead of a seeded --val-frac draw, e.g. to keep a warm start's validation records out of training")
+    a("--reserve-ids", type=Path, metavar="FILE", help="prompt ids (one per line) never generated, trained or "
+      "validated on: prompts set aside for tuning (a two-turn prompt's first turn too), e.g. corpus/reserved-ids.txt")
     a("--val-max-tokens", type=int, default=12000, help="validation tokens evaluated per checkpoint")
     a("--checkpoint-minutes", type=float, default=15.0, help="minutes between checkpoints / exports")
     a("--resume", action="store_true", help="continue from <out>/training/checkpoint.pt")
@@ -139,6 +141,10 @@ def check_args(args) -> None:
         from adaptivespec.training.data import read_ids
 
         read_ids(args.val_ids, "--val-ids")  # fails here, before the target loads
+    if getattr(args, "reserve_ids", None) is not None:
+        from adaptivespec.training.data import read_ids
+
+        read_ids(args.reserve_ids, "--reserve-ids")
     if getattr(args, "init_from", None):
         from adaptivespec.drafter import resolve_drafter_path
         from adaptivespec.errors import ModelLoadError
@@ -181,11 +187,12 @@ def _merge_resume(args) -> None:
 
 
 def load_records(args, target, tok):
-    from adaptivespec.training.data import distill, load_prompts, read_records
+    from adaptivespec.training.data import distill, load_prompts, read_ids, read_records, unreserved
 
+    reserved = read_ids(args.reserve_ids, "--reserve-ids") if getattr(args, "reserve_ids", None) else set()
     if args.distilled is not None:
         records = read_records(args.distilled)
-        return records[: args.max_prompts] if args.max_prompts else records
+        return unreserved(records[: args.max_prompts] if args.max_prompts else records, reserved)
     if args.mix is not None:
         from adaptivespec.training.mix import build_mix, mix_counts, parse_mix
 
@@ -193,11 +200,12 @@ def load_records(args, target, tok):
         print(f"train-drafter: mix {mix_counts(prompts)}", file=sys.stderr, flush=True)
     else:
         prompts = load_prompts(args.data, args.data_root, args.prompt_seed, args.max_prompts)
+    prompts = unreserved(prompts, reserved)
     path = args.out / "training" / "distill.jsonl"
     records = distill(target, tok, prompts, path, batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
                       progress=not args.quiet, gen_tokens=args.gen_tokens)
     wanted = {p.id for p in prompts} | {f"{p.id}-t1" for p in prompts if p.follow_up is not None}
-    return [r for r in records if r.id in wanted]
+    return unreserved([r for r in records if r.id in wanted], reserved)
 
 
 def build_drafter(target, vocab_ids: torch.Tensor, seed: int):

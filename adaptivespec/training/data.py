@@ -149,6 +149,14 @@ def read_ids(path: Path, arg: str) -> set[str]:
     return {x.strip() for x in Path(path).read_text().splitlines() if x.strip()}
 
 
+def unreserved(items: list, reserved: set[str]) -> list:
+    """``items`` (prompts or records) whose id is not in ``reserved``; a two-turn prompt's first-turn
+    record ``<id>-t1`` goes with its prompt (``train-drafter --reserve-ids``)."""
+    if not reserved:
+        return items
+    return [x for x in items if x.id.removesuffix("-t1") not in reserved]
+
+
 # -- self-distillation -----------------------------------------------------------------------
 def encode_chat(tok, turns: list[str], answers: list[str]) -> list[int]:
     """Chat-template ids of alternating user ``turns`` and assistant ``answers`` (one fewer), ready to answer."""
