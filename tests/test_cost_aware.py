@@ -306,3 +306,28 @@ def test_a_level_stopped_on_old_evidence_is_tried_again_only_with_explore(tmp_pa
     assert pol.continuation()[2] == pytest.approx(0.2)  # the point estimate has not moved
     _, beam = level_one(pol, scores)
     assert beam.numel() == (4 if explore else 0)
+
+
+@pytest.mark.parametrize("cont_prior", [0.0, 4.0])
+def test_a_level_stopped_on_old_evidence_returns_toward_the_prior_only_with_cont_prior(tmp_path, cont_prior):
+    """The same trap, the other way out: with ``cont_prior`` pseudo-observations of 1/2 that do not
+    decay, the decayed old evidence weighs less and less against them, so the point estimate drifts
+    back toward 1/2 and the level is drafted again; with 0 the ratio (and the stop) stays."""
+    scores = [-0.02, -6.0, -7.0, -8.0]
+    pol = make_policy(tmp_path, level=4.0, token=6.0, lookahead=1, decay=0.9, cont_prior=cont_prior)
+    pol._cont_n[2], pol._cont_a[2] = 100.0, 20.0
+    _, beam = level_one(pol, scores)
+    assert beam.numel() == 0 and pol.state()["stop"] == "cost"
+    assert pol.continuation()[2] == pytest.approx((20.0 + 0.5 * cont_prior) / (100.0 + cont_prior))
+    shallow = make_tree(torch.tensor([9, 5]), torch.tensor([-1, 0]), draft_logp=torch.tensor([0.0, -0.02]))
+    for _ in range(40):
+        pol.observe_tree(shallow, VerifyResult(path=[0, 1], tokens=[5, 8]))
+    n, a = 100.0 * 0.9**40, 20.0 * 0.9**40
+    assert pol.continuation()[2] == pytest.approx((a + 0.5 * cont_prior) / (n + cont_prior))
+    _, beam = level_one(pol, scores)
+    assert beam.numel() == (4 if cont_prior else 0)
+
+
+def test_cont_prior_rejects_a_negative_weight(tmp_path):
+    with pytest.raises(ValueError, match="got -1"):
+        make_policy(tmp_path, cont_prior=-1)
