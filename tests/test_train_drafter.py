@@ -37,11 +37,20 @@ def test_budget_units(text, expected):
     (["--data", str(DATA_ROOT / "gsm8k" / "test.jsonl")], ["--data", "evaluation set"]),
     (["--val-ids", "/no/such.txt"], ["--val-ids", "/no/such.txt", "record ids"]),
     (["--reserve-ids", "/no/such.txt"], ["--reserve-ids", "/no/such.txt", "record ids"]),
+    (["--device", "gpu0"], ["--device", "gpu0", "expected cpu, cuda or cuda:N"]),
+    (["--device", "mps"], ["--device", "mps", "not supported"]),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, argv, words):
     assert run_cli(["--out", str(tmp_path / "o"), "--quiet", *argv]) == AdaptiveSpecError.exit_code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_on_a_machine_without_one_is_a_one_line_error(tmp_path, capsys):
+    assert run_cli(["--out", str(tmp_path / "o"), "--quiet", "--device", "cuda"]) == AdaptiveSpecError.exit_code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device: 'cuda' is not available" in err and "expected cpu" in err
 
 
 def test_val_ids_hold_out_exactly_those_records():

@@ -90,6 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--init-from", metavar="HEAD", help="start from this head's weights instead of a random init (a head folder or "
       "'embedded'); its output rows are carried over by target token id into the new draft vocabulary")
     a("--threads", type=int, help="torch intra-op threads")
+    a("--device", default="cpu", help="where the target and the head run: generation, the feature cache and training "
+      "(cpu, cuda, cuda:1, ...; default cpu); the data, checkpoints and the exported head are the same either way")
     a("--seed", type=int, default=0, help="init, split and batch-order seed")
     a("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the target forward")
     a("--no-bf16", dest="bf16", action="store_false", help="train the head without bf16 autocast")
@@ -137,6 +139,7 @@ def check_args(args) -> None:
     if not args.resume and ckpt.is_file():
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
+    check_device(getattr(args, "device", "cpu"))
     if getattr(args, "val_ids", None) is not None:
         from adaptivespec.training.data import read_ids
 
@@ -167,6 +170,24 @@ def check_args(args) -> None:
 
         for spec in args.data:
             source_path(spec, args.data_root)
+
+
+def check_device(device: str) -> None:
+    """A device torch knows and this machine has (one line naming --device otherwise)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise AdaptiveSpecError(f"--device: {device!r} is not a device; expected cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise AdaptiveSpecError(f"--device: {device!r} is not supported; expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise AdaptiveSpecError(f"--device: {device!r} is not available on this machine (torch {torch.__version__} "
+                                "sees no CUDA device); expected cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise AdaptiveSpecError(f"--device: {device!r} is not on this machine; expected an index below "
+                                f"{torch.cuda.device_count()}")
 
 
 def _settings(args) -> dict:
@@ -242,8 +263,9 @@ def warm_start(drafter, source, what: str = "--init-from") -> dict:
         row_of = torch.full((int(max(new_ids.max(), src_ids.max())) + 1,), -1, dtype=torch.long)
         row_of[src_ids] = torch.arange(src_ids.shape[0])
         rows = row_of[new_ids]
-        have = rows >= 0
-        drafter.lm_head.weight[have] = source.lm_head.weight[rows[have]].to(drafter.lm_head.weight.dtype)
+        have = rows >= 0  # on the host; the weights may be on an accelerator
+        w, ws = drafter.lm_head.weight, source.lm_head.weight
+        w[have.to(w.device)] = ws[rows[have].to(ws.device)].to(w)
     return {"copied_rows": int(have.sum()), "new_rows": int((~have).sum())}
 
 
@@ -306,7 +328,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target, tok = load_target(args.target, args.target_dtype)
+    target, tok = load_target(args.target, args.target_dtype, getattr(args, "device", "cpu"))
     records = load_records(args, target, tok)
     if args.generate_only:
         print(f"train-drafter: --generate-only: {len(records)} records in {args.out / 'training' / 'distill.jsonl'}",
@@ -349,7 +371,7 @@ def run(args) -> int:
     if args.resume:
         trainer.restore(args.out / "training" / "checkpoint.pt")
     trainer.log({"kind": "start", "resume": args.resume, "step": trainer.state.step, "budget": args.budget,
-                 "steps": args.steps, "epochs": epochs, "threads": torch.get_num_threads(),
+                 "steps": args.steps, "epochs": epochs, "threads": torch.get_num_threads(), "device": str(trainer.device),
                  "feature_cache": str(args.feature_cache) if cache else None, "label_topk": args.label_topk})
     print(f"train-drafter: {len(train)} train / {len(val)} validation records, "
           f"{sum(r.length for r in train)} train tokens, {len(trainer.groups)} batches per epoch, "

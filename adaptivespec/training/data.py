@@ -260,11 +260,12 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
     answer is what it would be in a batch of its own (same positions, masked padding).
     """
     n = len(prompts)
+    dev = next(model.parameters()).device
     refill = max(1, batch_size // 4) if refill is None else max(1, refill)
-    out = torch.full((n, max_new_tokens), eos, dtype=torch.long)
+    out = torch.full((n, max_new_tokens), eos, dtype=torch.long, device=dev)
     nxt = 0  # next prompt to admit
-    rows = torch.zeros(0, dtype=torch.long)  # original index of each live row
-    count = torch.zeros(0, dtype=torch.long)  # tokens generated so far by each live row
+    rows = torch.zeros(0, dtype=torch.long, device=dev)  # original index of each live row
+    count = torch.zeros(0, dtype=torch.long, device=dev)  # tokens generated so far by each live row
     cache = mask = next_pos = logits = None
 
     def admissible(live: int, width: int) -> int:
@@ -283,15 +284,15 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
             k = admissible(live, width)
             if k:
                 part = prompts[nxt : nxt + k]
-                p_ids, p_mask, p_pos = _left_pad(part, eos)
+                p_ids, p_mask, p_pos = (x.to(dev) for x in _left_pad(part, eos))
                 p_cache = _spare_cache(model.config)
                 p_logits = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, cache=p_cache, use_cache=True,
                                  logits_to_keep=1).logits[:, -1]
-                new_rows = torch.arange(nxt, nxt + k)
+                new_rows = torch.arange(nxt, nxt + k, device=dev)
                 nxt += k
                 if cache is None:
                     cache, mask, next_pos, logits, rows = p_cache, p_mask, p_pos[:, -1] + 1, p_logits, new_rows
-                    count = torch.zeros(k, dtype=torch.long)
+                    count = torch.zeros(k, dtype=torch.long, device=dev)
                 else:
                     w = max(width, int(p_mask.shape[1]))
                     for a, b in zip(cache.layers, p_cache.layers):
@@ -301,7 +302,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
                     next_pos = torch.cat([next_pos, p_pos[:, -1] + 1])
                     logits = torch.cat([logits, p_logits])
                     rows = torch.cat([rows, new_rows])
-                    count = torch.cat([count, torch.zeros(k, dtype=torch.long)])
+                    count = torch.cat([count, count.new_zeros(k)])
         if rows.numel() == 0:
             return
         tok_t = logits.argmax(-1)  # [live]
@@ -320,7 +321,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
             mask = mask[:, cut:]
             for layer in cache.layers:  # keep only the unfinished rows' cache
                 layer.keys, layer.values = layer.keys[keep, :, cut:], layer.values[keep, :, cut:]
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         logits = model(input_ids=tok_t.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
                        cache=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
@@ -401,6 +402,12 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
+
+    def to(self, device) -> "Batch":
+        """The batch on ``device`` (itself when it is there already)."""
+        if self.ids.device == torch.device(device):
+            return self
+        return Batch(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))
 
 
 def plan_batches(records: list[Record], batch_tokens: int, max_len: int) -> list[list[int]]:

@@ -119,21 +119,23 @@ def build(path: Path, key: dict, target, records: list[Record], vocab_ids: torch
         f.truncate(size)  # drop bytes written after the last recorded group
         files.append(f)
     rows, labels = state["sizes"][0] // (2 * 3 * key["target_hidden"]), state["sizes"][1] // (2 * topk)
-    w = target.get_output_embeddings().weight[torch.as_tensor(vocab_ids)]  # [Vd, H_t]
-    all_t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)  # every response position gets a label
-    all_t2d[:] = True
+    w = target.get_output_embeddings().weight
+    dev = w.device
+    w = w[torch.as_tensor(vocab_ids).to(dev)]  # [Vd, H_t]
+    all_t2d = torch.ones(target.config.vocab_size, dtype=torch.bool, device=dev)  # every response position gets a label
     total = sum(min(r.length, max_len) for r in records)
     done = sum(e[2] for e in state["entries"])
     bar = tqdm(total=total, initial=done, desc="feature cache", unit="tok", unit_scale=True, disable=not progress)
     try:
         for gi in range(state["groups_done"], len(groups)):
             recs = [records[i] for i in groups[gi]]
-            batch = collate(recs, max_len, pad)
+            batch = collate(recs, max_len, pad).to(dev)
             out = target.model(input_ids=batch.ids, output_hidden_states=True)
-            states = torch.cat([out.hidden_states[a + 1] for a in aux], dim=-1).to(torch.bfloat16)
+            states = torch.cat([out.hidden_states[a + 1] for a in aux], dim=-1).to(torch.bfloat16).cpu()
             bi, qi, _ = label_rows(loss_mask(batch, all_t2d), 0)
             logits = out.last_hidden_state[bi, qi - 1] @ w.T
             logp, index = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, w.shape[0]), dim=-1)
+            logp, index = logp.cpu(), index.cpu()
             counts = torch.bincount(bi, minlength=len(recs)).tolist()
             for b, r in enumerate(recs):
                 n = int(batch.lengths[b])

@@ -73,6 +73,9 @@ class Trainer:
         self.cfg, self.target, self.drafter = cfg, target, drafter
         self.cache = cache  # a features.FeatureCache: the target is not run
         self.vocab_ids, self.train_set, self.val_set, self.pad = vocab_ids, train, val, pad
+        self.device = next(drafter.parameters()).device  # the head's; the target (when it runs) is on it too
+        self._vocab_dev = vocab_ids.to(self.device)
+        self._t2d_host = drafter.t2d.cpu()  # the cache reads on the host
         self.groups = plan_batches(train, cfg.batch_tokens, cfg.max_len)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -104,18 +107,21 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
     def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
     def features(self, records: list[Record], batch):
-        """The target's features of ``batch`` (collated from ``records``): from the cache or a target forward."""
+        """The target's features of ``batch`` (collated from ``records``, on the host) on the head's
+        device: from the cache or a target forward."""
         d, c = self.drafter, self.cfg
         if self.cache is not None:
-            return self.cache.features(records, batch, d.t2d, c.k_steps)
-        return target_features(self.target, d.aux_layers, batch, self.vocab_ids, d.t2d, c.k_steps, c.label_topk)
+            return self.cache.features(records, batch, self._t2d_host, c.k_steps).to(self.device)
+        return target_features(self.target, d.aux_layers, batch.to(self.device), self._vocab_dev, d.t2d, c.k_steps,
+                               c.label_topk)
 
     def train_step(self, batch, records: list[Record]) -> dict[str, Any]:
         d, c = self.drafter, self.cfg
         feats = self.features(records, batch)
+        batch = batch.to(self.device)
         with self._autocast():
             stats = ttt_loss(d, batch, feats, c.k_steps, c.decay)
         lr = self.lr()
@@ -146,6 +152,7 @@ class Trainer:
             part = [recs[i] for i in group]
             batch = collate(part, c.max_len, self.pad)
             feats = self.features(part, batch)
+            batch = batch.to(self.device)
             with self._autocast():
                 st = ttt_loss(d, batch, feats, k, c.decay, by_record=True)
             for j in range(k):

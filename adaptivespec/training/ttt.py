@@ -44,6 +44,12 @@ class Features:
     index: torch.Tensor | None = None  # [M, k] int64 draft ids of ``probs`` (top-k labels, largest first)
 
 
+    def to(self, device) -> "Features":
+        """The features on ``device`` (the feature cache reads them on the host)."""
+        move = (lambda x: None if x is None else x.to(device, non_blocking=True))
+        return Features(move(self.states), move(self.probs), move(self.row), move(self.index))
+
+
 @attrs.frozen
 class StepStats:
     loss: torch.Tensor  # weighted total (graph attached)
@@ -64,7 +70,8 @@ def target_features(target, aux_layers: list[int], batch: Batch, vocab_ids: torc
     hs = out.hidden_states
     states = torch.cat([hs[i + 1] for i in aux_layers], dim=-1)
     bi, qi, row = label_rows(loss_mask(batch, t2d), k_steps)
-    w = target.get_output_embeddings().weight[vocab_ids]  # [Vd, H_t]
+    w = target.get_output_embeddings().weight
+    w = w[vocab_ids.to(w.device)]  # [Vd, H_t]
     logits = out.last_hidden_state[bi, qi - 1] @ w.T  # z[q-1] restricted to D
     if topk is not None:
         logp, index = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
@@ -77,15 +84,15 @@ def label_rows(valid: torch.Tensor, k_steps: int) -> tuple[torch.Tensor, torch.T
     """(bi, qi, row) for a [B, T] mask of predicted indices with a loss (see ``Features.row``)."""
     b, t = valid.shape
     bi, qi = valid.nonzero(as_tuple=True)
-    row = torch.full((b, t + k_steps + 2), -1, dtype=torch.long)
-    row[bi, qi] = torch.arange(bi.shape[0])
+    row = torch.full((b, t + k_steps + 2), -1, dtype=torch.long, device=valid.device)
+    row[bi, qi] = torch.arange(bi.shape[0], device=valid.device)
     return bi, qi, row
 
 
 def loss_mask(batch: Batch, t2d: torch.Tensor) -> torch.Tensor:
     """[B, T] predicted indices q with a loss: response tokens (q >= 1) inside the draft vocabulary."""
     ids = batch.ids
-    q = torch.arange(ids.shape[1])
+    q = torch.arange(ids.shape[1], device=ids.device)
     return (q >= batch.prompt_lens[:, None]) & (q < batch.lengths[:, None]) & (q >= 1) & t2d[ids]
 
 
@@ -147,7 +154,7 @@ def _step_loss(drafter, state: torch.Tensor, rows: torch.Tensor, probs: torch.Te
     sel = rows >= 0
     n = int(sel.sum())
     if n == 0:
-        return state.sum() * 0.0, torch.zeros(0, dtype=torch.bool), 0
+        return state.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=state.device), 0
     if index is not None:
         r = rows[sel]
         losses, correct = topk_cross_entropy(drafter.lm_head(drafter.norm(state[sel])), probs[r], index[r])
@@ -175,7 +182,8 @@ def unroll(drafter, ids: torch.Tensor, g: torch.Tensor, k_steps: int, first_chai
 
     # step 0: causal over the verified pairs
     x = drafter.midlayer.pre(embed(1, t + 1), g)
-    cos, sin = drafter.rotary(x, torch.arange(t)[None])
+    dev = ids.device
+    cos, sin = drafter.rotary(x, torch.arange(t, device=dev)[None])
     q, k0, v0 = attn_mod.qkv(x, cos, sin)
     a = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=groups > 1)
     state = drafter.midlayer.post(g, a.transpose(1, 2).reshape(b, t, -1))
@@ -183,12 +191,12 @@ def unroll(drafter, ids: torch.Tensor, g: torch.Tensor, k_steps: int, first_chai
     s = first_chain
     state = state[:, s:]
     k0, v0 = _expand(k0, groups), _expand(v0, groups)
-    chain, key = torch.arange(s, t)[:, None], torch.arange(t)[None, :]
-    bias = torch.zeros(t - s, t).masked_fill(key > chain, float("-inf"))
+    chain, key = torch.arange(s, t, device=dev)[:, None], torch.arange(t, device=dev)[None, :]
+    bias = torch.zeros(t - s, t, device=dev).masked_fill(key > chain, float("-inf"))
     dk, dv = [], []
     for j in range(1, k_steps):
         x = drafter.midlayer.pre(embed(s + j + 1, t + j + 1), state)
-        cos, sin = drafter.rotary(x, torch.arange(s + j, t + j)[None])
+        cos, sin = drafter.rotary(x, torch.arange(s + j, t + j, device=dev)[None])
         q, k, v = attn_mod.qkv(x, cos, sin)
         dk.append(_expand(k, groups))
         dv.append(_expand(v, groups))
