@@ -128,6 +128,7 @@ def ask(base: str, model: str, prompts=PROMPTS, max_tokens: int = 64) -> list[di
         try:
             out = http_json(f"{base}/generate", {"text": prompt, "sampling_params": {"max_new_tokens": max_tokens,
                                                                                      "temperature": 0}})
+            out = out[0] if isinstance(out, list) else out  # one prompt: a dict (a list in some versions)
             meta = out.get("meta_info") or {}
             row["generate_seconds"] = round(time.perf_counter() - t0, 3)
             row["generate_tokens"] = meta.get("completion_tokens")

@@ -54,7 +54,8 @@ class StandIn(BaseHTTPRequestHandler):
             if "fail" in body["text"]:
                 self._send({"error": "bad"}, 500)
                 return
-            self._send({"text": "x", "meta_info": {"completion_tokens": 30, "spec_verify_ct": 12}})
+            out = {"text": "x", "meta_info": {"completion_tokens": 30, "spec_verify_ct": 12}}
+            self._send([out] if "list" in body["text"] else out)
         else:
             self._send({"error": "no"}, 404)
 
@@ -75,9 +76,10 @@ def stand_in():
 
 def test_ready_then_each_prompt_through_both_apis(stand_in):
     assert serve_check.wait_ready(stand_in, time.monotonic() + 10) == "served-model"
-    rows = serve_check.ask(stand_in, "served-model", prompts=("hello there", "fail me"), max_tokens=16)
-    assert [r["chat_text"] for r in rows] == ["ereht olle", "em liaf"]
-    assert [r["chat_tokens"] for r in rows] == [8, 8]
+    rows = serve_check.ask(stand_in, "served-model", prompts=("hello there", "fail me", "a list"), max_tokens=16)
+    assert [r["chat_text"] for r in rows] == ["ereht olle", "em liaf", "tsil a"]
+    assert [r["chat_tokens"] for r in rows] == [8, 8, 8]
+    assert rows[2]["accept_length"] == pytest.approx(2.5)  # /generate answered with a one-element list
     assert rows[0]["accept_length"] == pytest.approx(2.5) and rows[0]["generate_tokens"] == 30
     assert "generate_error" in rows[1] and "accept_length" not in rows[1]
     chat = [b for p, b in StandIn.seen if p == "/v1/chat/completions"]
