@@ -358,8 +358,8 @@ def main(argv=None) -> int:
         report["failures"] += cc["failures"]
         report["skipped"] += cc["skipped"]
     if "serve" in phases:
-        if time.monotonic() > deadline:
-            report["serve"] = {"skipped": f"time budget spent (--budget-s {args.budget_s:g})"}
+        if deadline - time.monotonic() < 120:  # SGLang's start alone takes about a minute
+            report["serve"] = {"skipped": f"under 120 s of the time budget left (--budget-s {args.budget_s:g})"}
         elif args.dry_run:
             report["serve"] = {"skipped": "dry run (SGLang serves on CUDA only)"}
         else:
