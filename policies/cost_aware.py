@@ -260,12 +260,16 @@ class CostAwarePolicy(TreePolicy):
     def _continuation(self, idx):
         """The continuation rates at depth index (or indices) ``idx`` that the level rule prices with:
         the upper confidence bound of ``explore`` (see :class:`CostAwareParams`) on each observed rate."""
-        w = self.params.cont_prior
-        n = self._cont_n[idx] + w
-        p = (self._cont_a[idx] + 0.5 * w) / n
+        n, p = self._rates(idx)
         if not self.params.explore:
             return p
         return np.minimum(1.0, p + self.params.explore * np.sqrt(p * (1.0 - p) / n))
+
+    def _rates(self, idx):
+        """(count, point estimate) of the continuation rates at ``idx``, ``cont_prior`` included."""
+        w = self.params.cont_prior
+        n = self._cont_n[idx] + w
+        return n, (self._cont_a[idx] + 0.5 * w) / n
 
     def select_final(self, scores: torch.Tensor, shape: TreeShape) -> torch.Tensor:
         values = np.concatenate(self._values)
@@ -381,8 +385,7 @@ class CostAwarePolicy(TreePolicy):
 
     def continuation(self) -> list[float]:
         """The continuation rate at every depth index (point estimates, ``cont_prior`` included)."""
-        w = self.params.cont_prior
-        return ((self._cont_a + 0.5 * w) / (self._cont_n + w)).tolist()
+        return self._rates(slice(None))[1].tolist()
 
     def state(self) -> dict[str, Any]:
         out = {

@@ -260,7 +260,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
     answer is what it would be in a batch of its own (same positions, masked padding).
     """
     n = len(prompts)
-    dev = next(model.parameters()).device
+    dev = getattr(model, "device", None) or torch.device("cpu")  # a transformers model knows its device
     refill = max(1, batch_size // 4) if refill is None else max(1, refill)
     out = torch.full((n, max_new_tokens), eos, dtype=torch.long, device=dev)
     nxt = 0  # next prompt to admit
