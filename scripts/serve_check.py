@@ -39,14 +39,9 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PROMPTS = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Write a Python function that returns the factorial of n.",
-    "Summarize in one sentence: The city council met on Tuesday to discuss the new park. Residents asked "
-    "for more trees and a playground, and the council agreed to publish a plan by the end of the month.",
-)
+from config_check import PROMPTS  # noqa: E402  (the configs phase's prompts: math, code, translation)
 
 
 def _version(dist: str) -> str | None:
