@@ -53,6 +53,19 @@ def corpus_slice(path: Path, records: int) -> int:
     return len(lines)
 
 
+def train_args(run: Path, data: Path, cache: Path, device: str, *, steps: int, budget: str | None, whole: bool) -> list[str]:
+    """``train-drafter`` arguments of the check: the shipped head's settings, warm-started; ``whole``:
+    the whole corpus, validated on the CPU runs' records (``corpus/validation-ids.txt``)."""
+    args = ["--out", str(run), "--distilled", str(data), "--mix", "--init-from", "embedded", "--device", device,
+            "--feature-cache", str(cache), "--draft-vocab", "8192", "--max-len", "2048", "--label-topk", "64",
+            "--warmup", "5", "--lr", "3e-4", "--checkpoint-minutes", "1000",
+            "--reserve-ids", str(ROOT / "corpus" / "reserved-ids.txt"), "--quiet"]
+    args += ["--budget", budget] if budget else ["--steps", str(steps)]
+    if whole:
+        return args + ["--val-ids", str(ROOT / "corpus" / "validation-ids.txt"), "--val-max-tokens", "40000"]
+    return args + ["--val-max-tokens", "8000"]
+
+
 def train_check(device: str, out_dir: Path, *, steps: int = 60, records: int = 600, deadline: float | None = None,
                 budget: str | None = None, keep_head: bool = False, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """One short run (see the module doc); a dict with ``skipped``, or the figures and ``rc``."""
@@ -68,15 +81,8 @@ def train_check(device: str, out_dir: Path, *, steps: int = 60, records: int = 6
         data = work / "distill.jsonl"
         n = corpus_slice(data, records)
         run = work / "run"
-        cmd = [sys.executable, "-m", "adaptivespec.training.cli", "--out", str(run), "--distilled", str(data), "--mix",
-               "--init-from", "embedded", "--device", device, "--feature-cache", str(work / "cache"), "--draft-vocab", "8192",
-               "--max-len", "2048", "--label-topk", "64", "--warmup", "5", "--lr", "3e-4", "--checkpoint-minutes", "1000",
-               "--reserve-ids", str(ROOT / "corpus" / "reserved-ids.txt"), "--quiet"]
-        cmd += ["--budget", budget] if budget else ["--steps", str(steps)]
-        if records:
-            cmd += ["--val-max-tokens", "8000"]
-        else:  # the whole corpus: the validation records of every CPU run
-            cmd += ["--val-ids", str(ROOT / "corpus" / "validation-ids.txt"), "--val-max-tokens", "40000"]
+        cmd = [sys.executable, "-m", "adaptivespec.training.cli",
+               *train_args(run, data, work / "cache", device, steps=steps, budget=budget, whole=not records)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         log(f"train_check: {n} records, {steps} steps on {device}")
         t0 = time.monotonic()

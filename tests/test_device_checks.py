@@ -138,3 +138,23 @@ def test_the_train_summary_reads_the_log_and_the_cache_time():
     assert train_check.failures({"skipped": "no wheel"}) == []
     assert "1000.0 tok/s" in train_check.markdown({"records": 3, "steps_asked": 12, "device": "cuda", "rc": 0,
                                                    "wall_seconds": 1, **out})
+
+
+def test_the_whole_corpus_run_passes_train_drafters_checks(tmp_path):
+    """What ``train_check.py --records 0 --budget 6m`` would run (a GPU's job) is accepted by
+    train-drafter's argument checks here: the corpus files it names exist, the budget parses."""
+    import argparse
+
+    from adaptivespec.training import cli
+
+    data = tmp_path / "d.jsonl"
+    train_check.corpus_slice(data, 3)
+    argv = train_check.train_args(tmp_path / "run", data, tmp_path / "cache", "cpu", steps=60, budget="6m", whole=True)
+    assert "--val-ids" in argv and "--steps" not in argv and argv[argv.index("--budget") + 1] == "6m"
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    cli.check_args(args)  # raises AdaptiveSpecError on a bad flag value or a missing file
+    assert args.val_ids.is_file() and args.reserve_ids.is_file()
+    short = train_check.train_args(tmp_path / "run", data, tmp_path / "cache", "cpu", steps=60, budget=None, whole=False)
+    assert short[short.index("--steps") + 1] == "60" and "--val-ids" not in short

@@ -140,14 +140,11 @@ def check_args(args) -> None:
         raise AdaptiveSpecError(f"--out: {str(args.out)!r} already holds a run ({ckpt}); expected --resume or a new folder")
     parse_budget(args.budget)
     check_device(getattr(args, "device", "cpu"))
-    if getattr(args, "val_ids", None) is not None:
-        from adaptivespec.training.data import read_ids
+    for flag in ("val_ids", "reserve_ids"):
+        if getattr(args, flag, None) is not None:
+            from adaptivespec.training.data import read_ids
 
-        read_ids(args.val_ids, "--val-ids")  # fails here, before the target loads
-    if getattr(args, "reserve_ids", None) is not None:
-        from adaptivespec.training.data import read_ids
-
-        read_ids(args.reserve_ids, "--reserve-ids")
+            read_ids(getattr(args, flag), f"--{flag.replace('_', '-')}")  # fails here, before the target loads
     if getattr(args, "init_from", None):
         from adaptivespec.drafter import resolve_drafter_path
         from adaptivespec.errors import ModelLoadError

@@ -109,19 +109,18 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
 
-    def features(self, records: list[Record], batch):
-        """The target's features of ``batch`` (collated from ``records``, on the host) on the head's
-        device: from the cache or a target forward."""
+    def features(self, records: list[Record], host_batch, batch):
+        """The target's features on the head's device, from the cache (which reads ``host_batch``,
+        collated from ``records``) or a target forward on ``batch`` (the same batch on the device)."""
         d, c = self.drafter, self.cfg
         if self.cache is not None:
-            return self.cache.features(records, batch, self._t2d_host, c.k_steps).to(self.device)
-        return target_features(self.target, d.aux_layers, batch.to(self.device), self._vocab_dev, d.t2d, c.k_steps,
-                               c.label_topk)
+            return self.cache.features(records, host_batch, self._t2d_host, c.k_steps).to(self.device)
+        return target_features(self.target, d.aux_layers, batch, self._vocab_dev, d.t2d, c.k_steps, c.label_topk)
 
-    def train_step(self, batch, records: list[Record]) -> dict[str, Any]:
+    def train_step(self, host_batch, records: list[Record]) -> dict[str, Any]:
         d, c = self.drafter, self.cfg
-        feats = self.features(records, batch)
-        batch = batch.to(self.device)
+        batch = host_batch.to(self.device)
+        feats = self.features(records, host_batch, batch)
         with self._autocast():
             stats = ttt_loss(d, batch, feats, c.k_steps, c.decay)
         lr = self.lr()
@@ -150,9 +149,9 @@ class Trainer:
         d.eval()
         for group in plan_batches(recs, c.batch_tokens, c.max_len):
             part = [recs[i] for i in group]
-            batch = collate(part, c.max_len, self.pad)
-            feats = self.features(part, batch)
-            batch = batch.to(self.device)
+            host_batch = collate(part, c.max_len, self.pad)
+            batch = host_batch.to(self.device)
+            feats = self.features(part, host_batch, batch)
             with self._autocast():
                 st = ttt_loss(d, batch, feats, k, c.decay, by_record=True)
             for j in range(k):

@@ -43,7 +43,6 @@ class Features:
     row: torch.Tensor  # [B, T + K + 2] int64: row of ``probs`` for predicted index q, -1 = no loss
     index: torch.Tensor | None = None  # [M, k] int64 draft ids of ``probs`` (top-k labels, largest first)
 
-
     def to(self, device) -> "Features":
         """The features on ``device`` (the feature cache reads them on the host)."""
         move = (lambda x: None if x is None else x.to(device, non_blocking=True))
