@@ -189,3 +189,27 @@ def test_model_card_says_when_the_head_was_trained_from_a_cache(tmp_path):
         texts.append(card(tmp_path, {}, 2, 96, "cmd"))
     assert "recomputed each batch" in texts[0] and "feature cache" not in texts[0] and "top 64" not in texts[0]
     assert "top 64 entries, renormalised" in texts[1] and "read from a feature cache" in texts[1]
+
+
+@pytest.mark.model
+def test_kind_weights_train_each_record_that_many_times_from_the_cache(tmp_path, capsys, tiny_records):
+    """--kind-weights on a run with the feature cache: copies are served by the cache, the weighted count is
+    reported, the setting is kept in run.json (the card reads it there), validation stays unweighted."""
+    rows = [json.loads(x) for x in tiny_records.read_text().splitlines()]
+    kinds = ["translate", "rag", "math", "code"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({**r, "id": f"{k}-{i}"}) + "\n" for i, (k, r) in enumerate(zip(kinds, rows))))
+    weights = {"translate": 3, "rag": 0, "math": 1, "code": 2}
+    out = tmp_path / "o"
+    argv = ["--out", str(out), "--distilled", str(data), "--draft-vocab", "256", "--batch-tokens", "128", "--ttt-steps", "2",
+            "--warmup", "1", "--threads", "2", "--epochs", "1", "--val-frac", "0.25", "--quiet",
+            "--feature-cache", str(tmp_path / "cache"), "--kind-weights", "translate=3,rag=0,code=2"]
+    assert cli.main(argv) == 0
+    held = (out / "training" / "validation.txt").read_text().split()
+    expected = sum(w for i, (k, w) in enumerate(weights.items()) if f"{k}-{i}" not in held)
+    err = capsys.readouterr().err
+    assert f"{expected} train (weighted) / 1 validation records" in err, err
+    log = [json.loads(x) for x in (out / "training" / "log.jsonl").read_text().splitlines()]
+    # one epoch = one batch per copy layer at most; every step trained on at least one row
+    assert max(r["step"] for r in log if r["kind"] == "train") >= max(weights[k] for i, k in enumerate(kinds) if f"{k}-{i}" not in held)
+    assert json.loads((out / "training" / "run.json").read_text())["kind_weights"] == "translate=3,rag=0,code=2"

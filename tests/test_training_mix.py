@@ -11,7 +11,8 @@ import torch
 
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.training.data import DATA_ROOT, Prompt, plan_generation
-from adaptivespec.training.mix import DEFAULT_MIX, KINDS, build_mix, kind_of, mix_counts, parse_mix
+from adaptivespec.training.mix import (DEFAULT_MIX, KINDS, build_mix, kind_of, mix_counts, parse_kind_weights, parse_mix,
+                                       weight_records)
 
 needs_data = pytest.mark.skipif(not (DATA_ROOT / "train" / "alpaca_prompts.jsonl").is_file(), reason="no shared/data/train")
 
@@ -89,6 +90,34 @@ def test_mix_proportions_kinds_and_determinism():
 def test_bad_mix_is_refused_naming_the_flag(text):
     with pytest.raises(AdaptiveSpecError, match="--mix"):
         parse_mix(text)
+
+
+@pytest.mark.parametrize("text", ["translate=x", "poetry=2", "rag=-1", "rag=101", "math"])
+def test_bad_kind_weights_are_refused_naming_the_flag(text):
+    with pytest.raises(AdaptiveSpecError, match="--kind-weights"):
+        parse_kind_weights(text)
+
+
+def test_kind_weights_repeat_records_per_epoch_and_no_batch_holds_a_record_twice():
+    from adaptivespec.training.data import Record, plan_batches
+
+    records = [Record(f"{kind}-{i}", [1] * (1 + i % 7), [2] * (3 + i % 5)) for kind in ("translate", "rag", "math", "code")
+               for i in range(200)]
+    weights = parse_kind_weights("translate=3,rag=0.5,code=0")
+    out = weight_records(records, weights, seed=1)
+    counts = {k: sum(kind_of(r.id) == k for r in out) for k in ("translate", "rag", "math", "code")}
+    assert counts["translate"] == 600 and counts["math"] == 200 and counts["code"] == 0
+    assert 70 <= counts["rag"] <= 130 and {r.id for r in out if kind_of(r.id) == "rag"} <= {r.id for r in records}
+    assert out == weight_records(records, weights, seed=1) and out != weight_records(records, weights, seed=2)
+    assert weight_records(records, {}, seed=1) is records
+
+    groups = plan_batches(out, batch_tokens=64, max_len=32)
+    assert sorted(i for g in groups for i in g) == list(range(len(out)))  # every copy is trained on
+    assert all(len({out[i].id for i in g}) == len(g) for g in groups)  # ...each in a different batch
+    assert all(sum(len(out[i].prompt_ids) + len(out[i].response_ids) for i in g) <= 64 or len(g) == 1 for g in groups)
+    # without copies the plan is the length-sorted one it always was (resumed runs keep their data order)
+    flat = [i for g in plan_batches(records, 64, 32) for i in g]
+    assert flat == sorted(range(len(records)), key=lambda i: (records[i].length, records[i].id))
 
 
 def test_generation_batches_are_length_sorted_and_within_budget():
@@ -206,6 +235,9 @@ def test_model_card_records_the_mix_and_relative_paths(tmp_path):
     assert "--reserve-ids" not in text
     text = "\n".join(data_section(tmp_path, {**settings, "reserve_ids": str(tmp_path / "reserved.txt")}, {"train_response_tokens": 6}))
     assert "`reserved.txt` (`--reserve-ids`) are set aside for tuning" in text
+    assert "--kind-weights" not in text
+    text = "\n".join(data_section(tmp_path, {**settings, "kind_weights": "translate=3"}, {"train_response_tokens": 6}))
+    assert "(`--kind-weights translate=3`): each training record of a listed kind is seen that many times per epoch" in text
     legacy = "\n".join(data_section(tmp_path, {"distilled": str(DATA_ROOT / "distill" / "x.jsonl"), "val_frac": 0.1,
                                                "seed": 0}, {"train_response_tokens": 6}))
     assert "`shared/data/distill/x.jsonl`" in legacy and str(DATA_ROOT) not in legacy

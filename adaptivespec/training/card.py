@@ -144,6 +144,9 @@ def data_section(run: Path, settings: dict, vocab: dict) -> list[str]:
     for kind, share in parse_mix(settings["mix"]).items():
         n, t = counts.get(kind, [0, 0])
         rows.append(f"| {kind} | {share:.2f} | {n:,} | {t:,} |")
+    if settings.get("kind_weights"):
+        rows += ["", f"Training weights (`--kind-weights {settings['kind_weights']}`): each training record of a listed kind "
+                 "is seen that many times per epoch (others once); validation is unweighted."]
     return rows
 
 

@@ -36,7 +36,7 @@ DEFAULT_SOURCES = ["gsm8k-train", "code-alpaca", "mbpp"]
 # settings that define the data order and the model: a resumed run keeps the saved ones
 KEPT_ON_RESUME = ("target", "data", "mix", "data_root", "distilled", "max_prompts", "max_new_tokens", "draft_vocab",
                   "batch_tokens", "max_len", "ttt_steps", "val_frac", "seed", "prompt_seed", "label_topk",
-                  "init_from", "val_ids", "reserve_ids")
+                  "init_from", "val_ids", "reserve_ids", "kind_weights")
 COVERAGE_SIZES = [512, 1024, 2048, 3072, 4096, 6144, 8192, 10240, 12288]
 
 
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="draw prompts from the broad training mix instead of --data: kinds math, code, instruct, qa, rag, "
            "summarize, translate, chat2 with these proportions (no value: the default mix); --max-prompts sets "
            "the total (default 20000)")
+    a("--kind-weights", metavar="KIND=W,...", help="times per epoch each training record of a kind is seen (default 1; "
+      "0.5 keeps a fixed half, 0 none), e.g. translate=3,rag=2: over-weights kinds at training time without "
+      "generating more; validation is unweighted (kinds as in --mix)")
     a("--gen-batch", type=int, default=16, help="most rows decoding at once (continuous batching: a finished row's "
       "place goes to the next prompt)")
     a("--gen-tokens", type=int, default=16384, help="generation cache budget: rows * (cache width + --max-new-tokens)")
@@ -158,6 +161,10 @@ def check_args(args) -> None:
         raise AdaptiveSpecError("--build-cache-only: no --feature-cache given; expected --feature-cache DIR to build")
     if args.feature_cache is not None and args.feature_cache.exists() and not args.feature_cache.is_dir():
         raise AdaptiveSpecError(f"--feature-cache: {str(args.feature_cache)!r} is a file; expected a folder")
+    if args.kind_weights is not None:
+        from adaptivespec.training.mix import parse_kind_weights
+
+        parse_kind_weights(args.kind_weights)
     if args.mix is not None:
         from adaptivespec.training.mix import parse_mix
 
@@ -364,13 +371,20 @@ def run(args) -> int:
                       max_len=args.max_len, steps=args.steps, epochs=epochs, budget_seconds=seconds, budget_tokens=tokens,
                       checkpoint_minutes=args.checkpoint_minutes, val_max_tokens=args.val_max_tokens, bf16=args.bf16,
                       seed=args.seed, progress=not args.quiet, label_topk=args.label_topk)
+    if args.kind_weights:
+        from adaptivespec.training.mix import parse_kind_weights, weight_records
+
+        train = weight_records(train, parse_kind_weights(args.kind_weights), args.seed)
+        if not train:
+            raise AdaptiveSpecError(f"--kind-weights: {args.kind_weights!r} leaves no training record; expected a "
+                                    "weight > 0 for a kind the data has")
     trainer = Trainer(cfg, target, drafter, vocab_ids, train, val, pad=tok.eos_token_id, cache=cache)
     if args.resume:
         trainer.restore(args.out / "training" / "checkpoint.pt")
     trainer.log({"kind": "start", "resume": args.resume, "step": trainer.state.step, "budget": args.budget,
                  "steps": args.steps, "epochs": epochs, "threads": torch.get_num_threads(), "device": str(trainer.device),
                  "feature_cache": str(args.feature_cache) if cache else None, "label_topk": args.label_topk})
-    print(f"train-drafter: {len(train)} train / {len(val)} validation records, "
+    print(f"train-drafter: {len(train)} train{' (weighted)' if args.kind_weights else ''} / {len(val)} validation records, "
           f"{sum(r.length for r in train)} train tokens, {len(trainer.groups)} batches per epoch, "
           f"draft vocabulary {args.draft_vocab}, K={args.ttt_steps}; starting at step {trainer.state.step}",
           file=sys.stderr, flush=True)

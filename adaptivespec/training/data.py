@@ -411,12 +411,21 @@ class Batch:
 
 
 def plan_batches(records: list[Record], batch_tokens: int, max_len: int) -> list[list[int]]:
-    """Record indices grouped by length so that ``rows * longest <= batch_tokens`` (fixed order)."""
-    order = sorted(range(len(records)), key=lambda i: (min(records[i].length, max_len), records[i].id))
+    """Record indices grouped by length so that ``rows * longest <= batch_tokens`` (fixed order).
+
+    A record listed more than once (``--kind-weights``) has its n-th copy planned with the other
+    n-th copies, so no batch holds the same record twice.
+    """
+    seen: dict[str, int] = {}
+    copy = []  # copy[i]: how many earlier entries are the same record
+    for r in records:
+        copy.append(seen.get(r.id, 0))
+        seen[r.id] = copy[-1] + 1
+    order = sorted(range(len(records)), key=lambda i: (copy[i], min(records[i].length, max_len), records[i].id))
     groups, cur, longest = [], [], 0
     for i in order:
         n = min(records[i].length, max_len)
-        if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
+        if cur and ((len(cur) + 1) * max(longest, n) > batch_tokens or copy[i] != copy[cur[-1]]):
             groups.append(cur)
             cur, longest = [], 0
         cur.append(i)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.training.data import DATA_ROOT, Prompt, check_not_eval
+from adaptivespec.training.data import DATA_ROOT, Prompt, Record, check_not_eval
 
 #: default proportions of ``train-drafter --mix`` (recorded in run.json and the model card)
 DEFAULT_MIX = {"math": 0.12, "code": 0.14, "instruct": 0.18, "qa": 0.08, "rag": 0.16, "summarize": 0.16,
@@ -212,6 +212,22 @@ def parse_mix(text: str | None) -> dict[str, float]:
     """``math=0.2,code=0.1,...`` -> normalised proportions; ``None``/``default`` -> :data:`DEFAULT_MIX`."""
     if text is None or text.strip() in ("", "default"):
         return dict(DEFAULT_MIX)
+    out = _kind_pairs(text, "--mix", 1e300, "non-negative weights, e.g. math=0.2,rag=0.3")
+    total = sum(out.values())
+    if total <= 0:
+        raise AdaptiveSpecError(f"--mix: {text!r} has no positive weight; expected at least one kind with weight > 0")
+    return {k: v / total for k, v in out.items() if v > 0}
+
+
+def parse_kind_weights(text: str | None) -> dict[str, float]:
+    """``translate=3,rag=2`` -> ``{kind: weight}`` (``train-drafter --kind-weights``); unlisted kinds weigh 1."""
+    if text is None or not text.strip():
+        return {}
+    return _kind_pairs(text, "--kind-weights", 100, "weights from 0 to 100 (times per epoch), e.g. translate=3,rag=2")
+
+
+def _kind_pairs(text: str, flag: str, most: float, expected: str) -> dict[str, float]:
+    """``kind=w,...`` -> ``{kind: w}`` with 0 <= w <= ``most``; a one-line error naming ``flag`` otherwise."""
     out: dict[str, float] = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
@@ -220,14 +236,29 @@ def parse_mix(text: str | None) -> dict[str, float]:
             weight = float(value)
         except ValueError:
             weight = -1.0
-        if name not in KINDS or weight < 0:
-            raise AdaptiveSpecError(f"--mix: {part.strip()!r} is not a kind=weight pair; expected kinds from "
-                                    f"{', '.join(KINDS)} with non-negative weights, e.g. math=0.2,rag=0.3")
+        if name not in KINDS or not 0 <= weight <= most:
+            raise AdaptiveSpecError(f"{flag}: {part.strip()!r} is not a kind=weight pair; expected kinds from "
+                                    f"{', '.join(KINDS)} with {expected}")
         out[name] = weight
-    total = sum(out.values())
-    if total <= 0:
-        raise AdaptiveSpecError(f"--mix: {text!r} has no positive weight; expected at least one kind with weight > 0")
-    return {k: v / total for k, v in out.items() if v > 0}
+    return out
+
+
+def weight_records(records: list[Record], weights: dict[str, float], seed: int = 0) -> list[Record]:
+    """The training records with each record of kind k present ``weights[k]`` times (default 1).
+
+    A fractional weight w keeps floor(w) copies and one more with probability frac(w), drawn per record
+    id with ``seed`` (so 0.5 keeps a fixed half, 2.5 every record twice and half of them three times);
+    0 drops the kind. Copies are the same record: the feature cache serves them, and
+    ``data.plan_batches`` puts each copy in a different batch.
+    """
+    if not weights:
+        return records
+    out: list[Record] = []
+    for r in records:
+        w = weights.get(kind_of(r.id), 1.0)
+        n = int(w) + (random.Random(f"{seed}-{r.id}").random() < w - int(w))
+        out += [r] * n
+    return out
 
 
 def build_mix(total: int, mix: dict[str, float] | None = None, root: Path = DATA_ROOT, seed: int = 20261130) -> list[Prompt]:
