@@ -30,6 +30,10 @@ static-shape sweeps, ``--sweep``), schedules are timed over the same tokens:
     python scripts/shape_oracle.py --sweep runs/shape/trees runs/shape/chains \\
         --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128 --out oracle.json
 
+``--categories`` / ``--per-category`` pick the prompts ``adaptivespec bench`` picks with the same flags
+(Spec-Bench, MT-Bench, MATH-500), and the saved ``.pt`` names each prompt's category, which
+``scripts/tau_ceiling.py`` reads to replay shapes per category.
+
 Prints a JSON summary (and writes it with ``--out``, the acceptances beside it as ``.pt`` for
 ``--cached``). bfloat16 teacher forcing matches incremental decoding up to rounding.
 """
@@ -45,6 +49,7 @@ import torch
 
 from adaptivespec.config import load_config
 from adaptivespec.decode import Engine
+from adaptivespec.evaluation.categories import category_of, parse_categories, select
 from adaptivespec.evaluation.datasets import load_dataset
 from adaptivespec.types import TreeShape
 
@@ -145,9 +150,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", nargs="+", help="sweep run folders (results.json) for the cost model")
     ap.add_argument("--profile", help="cost profile of adaptivespec calibrate, instead of --sweep")
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", help="a JSON-lines file of --dataset's fields (default: the packaged file)")
     ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--limit", type=int, help="at most N prompts (default 8 without --categories / --per-category)")
+    ap.add_argument("--categories", help="only these categories (comma-separated), as in adaptivespec bench")
+    ap.add_argument("--per-category", type=int, help="the first N prompts of each category, as in adaptivespec bench")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--bins", type=int, default=4)
     ap.add_argument("--out")
@@ -203,7 +210,12 @@ def measure(args, shapes):
     rt, d = eng.runtime, eng.runtime.drafter
     full = {k: TreeShape(DEPTH, k, k + (DEPTH - 1) * k * k + 1) for k in BRANCHING}
     rt.prepare([*full.values(), *eng.policy.shapes()], capacity=4096)
-    problems = load_dataset(args.dataset, args.data, args.limit)
+    if args.categories is None and args.per_category is None:
+        problems = load_dataset(args.dataset, args.data, 8 if args.limit is None else args.limit)
+    else:  # the prompts adaptivespec bench picks with the same flags
+        problems = select(load_dataset(args.dataset, args.data), parse_categories(args.categories),
+                          args.per_category, args.dataset)[: args.limit]
+    args.prompt_categories = [category_of(p) or args.dataset for p in problems]
     acc_all, p1_all = [], []
     trees_all: dict[int, list] = {k: [] for k in BRANCHING}  # branching -> prompt -> position -> tree_record
     checked = [0, 0]  # steps compared, steps equal
@@ -360,7 +372,7 @@ def analyse(args, coef, err, shapes, times, acc_all, p1_all, trees_all=None) -> 
     trees_all = trees_all or {}
     if args.out:
         torch.save({"acc": [[{tuple(sh(k)): v for k, v in a.items()} for a in acc] for acc in acc_all], "p1": p1_all,
-                    "trees": trees_all}, Path(args.out).with_suffix(".pt"))
+                    "trees": trees_all, "categories": getattr(args, "prompt_categories", None)}, Path(args.out).with_suffix(".pt"))
 
     static = {s: sum(simulate(lambda i: s, acc, times) for acc in acc_all) for s in shapes}
     best = min(static, key=static.get)
