@@ -100,6 +100,19 @@ def tree_cost(coef, nsteps: int, topk: int, ndt: int) -> float:
     return coef[0] + coef[1] * nsteps + coef[2] * nsteps * topk + coef[3] * ndt + extra
 
 
+def kept_nodes(depth: torch.Tensor, logp: torch.Tensor, nsteps: int, ndt: int | None) -> torch.Tensor:
+    """The nodes of a full tree that shape ``(nsteps, *, ndt)`` keeps: the root and the ``ndt - 1`` best
+    by cumulative score among depths 1..nsteps (stable, so ties keep pool order, parents first);
+    ``ndt`` None keeps every node down to ``nsteps``."""
+    idx = torch.nonzero((depth >= 1) & (depth <= nsteps)).squeeze(1)
+    if ndt is not None:
+        idx = idx[torch.sort(logp[idx], descending=True, stable=True).indices[: ndt - 1]]
+    kept = torch.zeros(depth.shape[0], dtype=torch.bool)
+    kept[0] = True
+    kept[idx] = True
+    return kept
+
+
 def accepted_for_shapes(tree, cont: torch.Tensor, shapes_k: list[TreeShape]) -> dict[TreeShape, int]:
     """a_S for every shape of one branching from one full tree (all candidates kept)."""
     depth, logp, anc = tree.depth, tree.draft_logp, tree.ancestors
@@ -109,15 +122,8 @@ def accepted_for_shapes(tree, cont: torch.Tensor, shapes_k: list[TreeShape]) -> 
     want[ok_d & (depth > 0)] = cont[(depth[ok_d & (depth > 0)] - 1)]
     match = (tree.tokens == want) | (depth == 0)
     out = {}
-    order = torch.arange(n)
     for s in shapes_k:
-        cand = (depth >= 1) & (depth <= s.nsteps)
-        idx = order[cand]
-        # ndt - 1 best by cumulative score, stable (pool order keeps parents first)
-        sel = idx[torch.sort(logp[idx], descending=True, stable=True).indices[: s.ndt - 1]]
-        kept = torch.zeros(n, dtype=torch.bool)
-        kept[0] = True
-        kept[sel] = True
+        kept = kept_nodes(depth, logp, s.nsteps, s.ndt)
         good = kept & match
         path_ok = (~anc | good.unsqueeze(0)).all(dim=1) & kept  # every ancestor-or-self kept and matching
         out[s] = int(depth[path_ok].max())

@@ -22,6 +22,7 @@ the file.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -45,18 +46,21 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return n, k, ndt
 
 
+def _oracle():
+    """scripts/shape_oracle.py, whose tree cut (``kept_nodes``) this replays."""
+    if "shape_oracle" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("shape_oracle", Path(__file__).with_name("shape_oracle.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["shape_oracle"] = module
+    return sys.modules["shape_oracle"]
+
+
 def accepted(rec: dict, nsteps: int, ndt: int | None) -> int:
     """Accepted draft tokens of the shape's tree cut from one full tree record (``ndt`` None: every node
     of depth <= ``nsteps``)."""
-    depth, parents, match = rec["depth"].long(), rec["parents"].long(), rec["match"]
-    n = depth.shape[0]
-    kept = torch.zeros(n, dtype=torch.bool)
-    kept[0] = True
-    idx = torch.nonzero((depth >= 1) & (depth <= nsteps)).squeeze(1)
-    if ndt is not None:  # the ndt - 1 best by cumulative score; stable, so ties keep pool order (parents first)
-        idx = idx[torch.sort(rec["logp"][idx], descending=True, stable=True).indices[: ndt - 1]]
-    kept[idx] = True
-    ok = kept & match
+    depth, parents = rec["depth"].long(), rec["parents"].long()
+    ok = _oracle().kept_nodes(depth, rec["logp"], nsteps, ndt) & rec["match"]
     for d in range(1, nsteps + 1):  # a node counts only if its whole path is kept and matches
         lvl = depth == d
         ok[lvl] &= ok[parents[lvl]]
