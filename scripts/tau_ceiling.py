@@ -67,13 +67,17 @@ def accepted(rec: dict, nsteps: int, ndt: int | None) -> int:
     return int(depth[ok].max())
 
 
+def steps(acc: list[int]) -> list[int]:
+    """The accepted lengths of the steps a static decode takes when the step at position i accepts
+    ``acc[i]`` (``shape_oracle.simulate``'s walk)."""
+    seen: list[int] = []
+    _oracle().simulate(lambda i: 0, [{0: a} for a in acc], {0: 0.0}, seen.append)
+    return seen
+
+
 def tau(acc: list[int]) -> tuple[int, int]:
     """(new tokens, target forwards) of a decode whose step at position i accepts ``acc[i]``."""
-    i, steps = 0, 0
-    while i < len(acc):
-        steps += 1
-        i += acc[i] + 1
-    return len(acc) + 1, steps + 1
+    return len(acc) + 1, len(steps(acc)) + 1
 
 
 def load(paths: list[Path]) -> list[tuple[str, dict[int, list]]]:
@@ -116,18 +120,15 @@ def table(prompts, shapes: list[tuple[int, int, int]]) -> dict[str, dict]:
         s["ceiling"][0] += t
         s["ceiling"][1] += f
         s["tokens"] += t
-        # step statistics of the first shape, over the steps its static decode takes
-        i = 0
-        while i < len(first):
+        for a in steps(first):  # step statistics of the first shape, over the steps its static decode takes
             s["ge"][0] += 1
             for g in (1, 2, 3):
-                s["ge"][g] += first[i] >= g
-            i += first[i] + 1
+                s["ge"][g] += a >= g
     out = {}
     for cat, s in sums.items():
-        steps = max(s["ge"][0], 1)
+        taken = max(s["ge"][0], 1)
         out[cat] = {"prompts": s["prompts"], "tokens": s["tokens"], "tau": {c: s[c][0] / s[c][1] for c in cols},
-                    "first_shape_accepts_ge": [s["ge"][g] / steps for g in (1, 2, 3)]}
+                    "first_shape_accepts_ge": [s["ge"][g] / taken for g in (1, 2, 3)]}
     return out
 
 
