@@ -17,7 +17,10 @@ from __future__ import annotations
 import torch
 
 import adaptivespec
+from adaptivespec.attention import use_tree_sdpa
 from adaptivespec.bank import ShapeBank
+from adaptivespec.kvcache import buffered_cache
+from adaptivespec.prepack import prepack_linears
 from adaptivespec.sampling import pick_next
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
@@ -51,6 +54,10 @@ class TorchRuntime:
     def __init__(self, target, drafter=None, config=None) -> None:
         self.target = target
         self.drafter = drafter
+        use_tree_sdpa(target)  # tree verification without expanding the KV heads (a copy of the cache)
+        for module in (target, drafter):  # bfloat16 on a CPU: weights laid out once for oneDNN, not per call
+            if module is not None:
+                prepack_linears(module)
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.neg = torch.finfo(self.dtype).min
@@ -76,12 +83,12 @@ class TorchRuntime:
 
         The shape bank's buffers are grown here, once, to cover the whole generation.
         """
-        from transformers import DynamicCache
-
+        rows = max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows if self.bank is not None else 0
+        length = len(prompt_ids) + (max_new_tokens or 1024) + rows + 1
         if self.bank is not None:
-            self.bank.reserve(len(prompt_ids) + max_new_tokens + max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows + 1)
+            self.bank.reserve(length)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
-        self.cache = DynamicCache(config=self.target.config)
+        self.cache = buffered_cache(self.target.config, length)  # appends in place (no per-step copy)
         need_hidden = self.drafter is not None
         out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
         self.root = pick_next(self.sampler, out.logits[0, -1])

@@ -73,8 +73,7 @@ class HfPeer:
     autoregressive = False
 
     def __init__(self, name: str, config: Config, host=None) -> None:
-        from adaptivespec.decode import load_models
-        from adaptivespec.models import encode_prompt
+        from adaptivespec.models import encode_prompt, load_target
 
         if host is None:
             from adaptivespec.plugins import get_plugin_host
@@ -83,7 +82,8 @@ class HfPeer:
         if name not in PEERS:
             raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected one of: {', '.join(PEERS)}")
         self.name, self.config = name, config
-        self.target, self.tokenizer, _ = load_models(_without_drafter(config), host)
+        # its own copy of the target, as transformers loads it (our runtime re-lays out the shared one)
+        self.target, self.tokenizer = load_target(config.model.target, config.runtime.dtype, config.runtime.device)
         self._encode = encode_prompt
         self.kwargs = dict(PEERS[name])
         # stop_at_eos: false -> an id no token has (None would fall back to the model's own EOS)
@@ -139,9 +139,3 @@ class HfPeer:
         }
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return GenerationResult(token_ids=new, text=text, stats=stats, records=[])
-
-
-def _without_drafter(config: Config) -> Config:
-    import attrs
-
-    return attrs.evolve(config, model=attrs.evolve(config.model, drafter=None))

@@ -1,0 +1,86 @@
+"""A KV cache that appends in place: transformers' ``DynamicCache`` with preallocated layers.
+
+``DynamicLayer.update`` grows the cache with ``torch.cat``, which copies every layer's whole cache
+at every step: O(context) bytes per token, the cost that makes long prompts slow (at 4k tokens of
+context, 30 layers x K and V x 1.5 MB in bfloat16). :class:`BufferedLayer` writes the new rows into
+a buffer reserved up front (grown by doubling if a generation outruns it) and hands attention a
+view of the filled prefix, so a step costs O(new rows) in the cache. ``crop`` only moves the end,
+and the in-place compaction of :func:`adaptivespec.runtime.compact_cache` writes through the views.
+
+Attention reads the same values in the same order as with ``DynamicCache``: logits are identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class BufferedLayer(DynamicLayer):
+    """One layer's keys and values ``[batch, kv_heads, length, head_dim]``, views of a larger buffer."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(1, capacity)
+        self.length = 0
+        self._k: torch.Tensor | None = None  # [B, Hkv, capacity, D]
+        self._v: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty(b, h, self.capacity, d)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.length = 0
+        self.is_initialized = True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.capacity)
+        k = self._k.new_empty(*self._k.shape[:2], cap, self._k.shape[-1])
+        v = self._v.new_empty(*self._v.shape[:2], cap, self._v.shape[-1])
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v, self.capacity = k, v, cap
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` rows (a negative count, as ``DynamicLayer.crop``)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: expected a negative number of rows to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.length = max(0, self.length + tokens_to_remove)
+        self._view()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._view()
+
+
+def buffered_cache(config, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` for ``config``'s model whose layers are :class:`BufferedLayer` s of ``capacity`` rows."""
+    cache = DynamicCache(config=config)
+    # only plain full-attention layers (sliding-window and other kinds keep their own logic)
+    cache.layers = [BufferedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
