@@ -16,7 +16,7 @@ from adaptivespec.evaluation import DATASETS, DatasetError, Problem, load_datase
 from adaptivespec.evaluation.datasets import GSM8K_INSTRUCTION, MATH_INSTRUCTION, default_path
 
 DATA = Path(default_path("gsm8k")).parent.parent
-EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "specbench": 480, "mtbench": 80}
+EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "specbench": 480, "mtbench": 80, "longctx": 72}
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +203,14 @@ def test_only_evaluation_files_and_licenses_are_packaged() -> None:
     assert not any("train" in f or "distill" in f for f in files)
     data_files = [f for f in files if not f.endswith("README.md") and "/LICENSE." not in f]
     assert len(data_files) == len(EXPECTED_COUNTS)
+
+
+def test_longctx_has_both_tasks_at_every_length_from_unseen_text(loaded) -> None:
+    problems = loaded["longctx"]
+    assert {p.category for p in problems} == {f"{t}-{n}" for t in ("summarize", "qa") for n in ("512", "1k", "2k", "4k")}
+    by_doc: dict[str, list[int]] = {}
+    for p in problems:
+        if p.category.startswith("summarize"):
+            by_doc.setdefault(p.id.split("/")[1], []).append(len(p.prompt))
+    assert len(by_doc) == 9  # every article at the four lengths, each ~2x the one before
+    assert all(len(v) == 4 and v == sorted(v) and v[-1] > 6 * v[0] for v in by_doc.values())

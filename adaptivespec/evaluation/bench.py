@@ -51,7 +51,7 @@ from adaptivespec.evaluation import categories
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.graders import grade
 
-DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 2048, "math500": 4096, "humaneval": 4096, "specbench": 1024, "mtbench": 1024}
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 2048, "math500": 4096, "humaneval": 4096, "specbench": 1024, "mtbench": 1024, "longctx": 1024}
 """Per-dataset generation limits: the paper's (2048 for GSM8K, 4096 for MATH-500 and HumanEval);
 Spec-Bench's harness default (1024) for the two chat sets."""
 

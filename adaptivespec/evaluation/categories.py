@@ -9,6 +9,7 @@ Categories (:func:`category_of`):
 * ``mtbench``: MT-Bench's own eight (``writing``, ``roleplay``, ``reasoning``, ``math``,
   ``coding``, ``extraction``, ``stem``, ``humanities``);
 * ``math500``: the MATH subject;
+* ``longctx``: task and prompt length (``summarize-4k``, ``qa-512``, ...);
 * other sets have none (no per-category table).
 
 :func:`select` implements ``--categories a,b`` and ``--per-category N`` (the first N of each
@@ -48,9 +49,7 @@ def category_of(problem: Problem) -> str | None:
     if problem.task == "specbench":
         own = problem.category
         return "mt_bench" if own is None or own in MT_BENCH_CATEGORIES else own
-    if problem.task in ("mtbench", "math500"):
-        return problem.category
-    return None
+    return problem.category  # MT-Bench's, MATH's subject, longctx's; None for sets without
 
 
 def categories(problems: list[Problem]) -> list[str]:
@@ -82,7 +81,7 @@ def select(problems: list[Problem], wanted: list[str] | None = None, per_categor
     if not known:
         name = dataset or (problems[0].task if problems else "?")
         raise AdaptiveSpecError(f"{option}: dataset {name!r} has no categories; "
-                                "categories exist for specbench, mtbench and math500")
+                                "categories exist for specbench, mtbench, math500 and longctx")
     unknown = [c for c in wanted or () if c not in known]
     if unknown:
         raise AdaptiveSpecError(f"--categories: unknown category {unknown[0]!r} for {dataset or 'this dataset'}; "

@@ -15,6 +15,11 @@ Known names and what the model is asked (the ``prompt`` is sent as the single us
   turn's reference when the record has one as a string; ``meta`` holds all ``turns`` and the raw
   ``references`` (Spec-Bench ``rag`` records have a list of acceptable answers there instead).
 
+* ``longctx`` (72, long-document summarization and QA at ~512, 1k, 2k and 4k tokens of prompt):
+  same fields as ``specbench``; categories ``summarize-<len>`` and ``qa-<len>``. Made by
+  ``scripts/make_longctx_set.py`` from training documents at text no draft head has seen; its
+  ``tune.jsonl`` is the split for tuning.
+
 ``load_dataset(name, path=...)`` reads another JSON-lines file (optionally ``.gz``) with the same
 fields as the named set.
 """
@@ -136,6 +141,7 @@ _DATASETS: dict[str, tuple[str, _Builder]] = {
     "humaneval": ("humaneval/HumanEval.jsonl.gz", _humaneval),
     "specbench": ("specbench/question.jsonl", _chat("specbench")),
     "mtbench": ("mtbench/question.jsonl", _chat("mtbench")),
+    "longctx": ("longctx/question.jsonl", _chat("longctx")),
 }
 
 DATASETS: tuple[str, ...] = tuple(_DATASETS)
