@@ -19,11 +19,12 @@ log-probability) cell. Use training prompts (``--data``), never an evaluation se
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from adaptivespec.cli import positive_int
 
 DEFAULT_SHAPES = ("1,2,3", "1,4,5", "2,2,4", "2,4,8", "3,1,4", "3,2,6", "3,4,8", "3,4,12",
                   "4,2,8", "5,1,6", "5,4,8", "5,4,16", "6,2,12", "6,4,24")
@@ -42,19 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prior-out", metavar="PRIOR.json", help="also write a calibration prior (use training prompts)")
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts (--dataset fields); default: four built-in prompts")
     p.add_argument("--dataset", default="gsm8k", help="field layout of --data (default gsm8k)")
-    p.add_argument("--limit", type=_positive_int, default=4, help="prompts (default 4)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens per prompt and shape (default 64)")
+    p.add_argument("--limit", type=positive_int, default=4, help="prompts (default 4)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens per prompt and shape (default 64)")
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="N,K,NDT",
                    help="static shapes to time (default: 14 shapes, depth 1-6, topk 1-4, ndt 3-24)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_calibrate)
-
-
-def _positive_int(text: str) -> int:
-    from adaptivespec.cli import positive_int
-
-    return positive_int(text)
 
 
 def parse_shapes(texts):
@@ -89,7 +84,6 @@ def run_calibrate(args) -> int:
     from adaptivespec.costmodel import LOGP_EDGES, CalibrationMap, CostModel, machine_info, save_prior
     from adaptivespec.decode import Engine
     from adaptivespec.errors import AdaptiveSpecError
-    from adaptivespec.policies.static import StaticParams, StaticPolicy
 
     shapes = parse_shapes(args.shapes)
     config = load_config(args.config, list(args.overrides))
@@ -117,6 +111,7 @@ def run_calibrate(args) -> int:
         cells[0] += np.bincount(idx, weights=onpath[1:], minlength=size)
         cells[1] += np.bincount(idx, minlength=size)
 
+    static = engine.host.policies.get("static")  # the registered static policy times each shape
     rows, per_shape = [], {s: [] for s in shapes}
     engine.generate(prompts[0], max_new_tokens=8)  # warm-up
     bar = tqdm(total=len(prompts) * len(shapes), desc="calibrate", unit="gen", disable=args.no_progress, file=sys.stderr)
@@ -124,7 +119,7 @@ def run_calibrate(args) -> int:
     for text in prompts:
         ids = engine.encode(text)
         for s in shapes:
-            engine.policy = StaticPolicy(StaticParams(nsteps=s.nsteps, topk=s.topk, ndt=s.ndt))
+            engine.policy = static.cls(static.cls.Params(nsteps=s.nsteps, topk=s.topk, ndt=s.ndt))
             engine.policy.observe_tree = count
             res = engine.generate_ids(ids, max_new_tokens=args.max_new_tokens)
             got = step_rows(len(ids), res.records)

@@ -29,6 +29,15 @@ def positive_int(inst: Any, attribute: attrs.Attribute, value: int) -> None:
         raise ValueError(f"expected a positive integer, got {value!r}")
 
 
+def optional_positive_int(inst: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    """Validator: a positive integer, or None (YAML null)."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"expected a positive integer or null, got {value!r}")
+    positive_int(inst, attribute, value)
+
+
 def int_at_least(lo: int):
     """Validator: an integer (not a bool) ``>= lo``."""
 

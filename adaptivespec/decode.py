@@ -1,7 +1,10 @@
-"""The decode loop: prefill, then speculative steps (draft -> verify -> accept -> commit).
+"""The decode loop: prefill, then speculative steps (propose -> verify -> commit -> observe).
 
 :class:`Engine` resolves the strategies once from the config and calls their methods directly;
-the per-step observer hook is called only when a plugin implements it.
+the per-step observer hook is called only when a plugin implements it. What the target verifies
+at each step (the candidate sources, the head's draft, their fusion and who proposed what) is
+the proposal stage's business (:mod:`adaptivespec.proposal`); one step reads top to bottom in
+:meth:`Engine._step`.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import attrs
 import torch
 
 from adaptivespec.config import Config
-from adaptivespec.fusion import fuse
 from adaptivespec.models import DTYPES, encode_prompt, load_target
+from adaptivespec.proposal import Proposer
 from adaptivespec.sampling import Sampler, check_sampling
-from adaptivespec.types import StepRecord, StepSignals
+from adaptivespec.types import StepRecord
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -52,7 +55,8 @@ class GenerationResult:
 
 
 class Engine:
-    """A target, a drafter, a tree policy and a verifier, ready to generate."""
+    """A target, a drafter, a tree policy, candidate sources (the proposal stage) and a verifier,
+    ready to generate."""
 
     def __init__(self, config: Config, host=None) -> None:
         if host is None:
@@ -64,19 +68,33 @@ class Engine:
             torch.set_num_threads(config.runtime.threads)
         self.target, self.tokenizer, drafter = load_models(config, host)
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
-        self.policy = host.policies.get(config.policy.name).cls(config.policy.params)
+        policy = host.policies.get(config.policy.name).cls(config.policy.params)
         self.verifier = host.verifiers.get(config.verifier.name).cls(config.verifier.params)
         check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
         self.sampler = Sampler.from_config(config.generation, self.runtime.device)  # None: greedy
         if self.sampler is not None:
             self.runtime.sampler = self.verifier.sampler = self.sampler
-        self.sources = [host.sources.get(s.name).cls(s.params) for s in config.sources]
-        self.proposers = ["head", *(s.name for s in config.sources)]  # origin bits of fused nodes
-        if drafter is not None or self.sources:  # one executor per shape the policy may choose, built up front
-            extra = max((s.extra_slots() for s in self.sources), default=0)
-            self.runtime.prepare(self.policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512, extra_rows=extra)
+        sources = [host.sources.get(s.name).cls(s.params) for s in config.sources]
+        self.proposer = Proposer(self.runtime, policy, sources)
+        if self.proposer.active:  # one executor per shape the policy may choose, built up front
+            self.runtime.prepare(policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512,
+                                 extra_rows=self.proposer.extra_slots())
         self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else None
         self._observe = host.has_observers("adaptivespec_step")
+
+    @property
+    def policy(self):
+        """The tree policy (shared with the proposal stage; assigning one replaces it in both)."""
+        return self.proposer.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.proposer.policy = policy
+
+    @property
+    def sources(self) -> list:
+        """The candidate sources, in config order."""
+        return self.proposer.sources
 
     @property
     def lossless(self) -> bool:
@@ -84,8 +102,7 @@ class Engine:
 
     def forget(self) -> None:
         """Drop what the candidate sources remembered across generations (their output caches)."""
-        for s in self.sources:
-            s.forget()
+        self.proposer.forget()
 
     def encode(self, text: str, raw: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
@@ -111,86 +128,29 @@ class Engine:
         limit = max_new_tokens or self.config.generation.max_new_tokens
         if self.sampler is not None:
             self.sampler.reseed(self.config.generation.seed if seed is None else seed)
-        rt, policy, verifier, sources = self.runtime, self.policy, self.verifier, self.sources
-        speculative = rt.drafter is not None or bool(sources)
+        rt, proposer = self.runtime, self.proposer
+        speculative = proposer.active
         out: list[int] = []
         records: list[StepRecord] = []
-        promoted_total = 0
-        by_source = {n: 0 for n in self.proposers if n != "head" or rt.drafter is not None}
         t0 = time.perf_counter()
-        policy.reset()
-        for s in sources:
-            s.reset(list(prompt_ids))
-
-        first = rt.prefill(prompt_ids, limit)
-        forwards = 1
-        done = self._take(out, [first], limit, on_tokens)
-        for s in sources:
-            s.extend(out)
-        last_accepted, step = -1, 0
+        self.policy.reset()
+        proposer.reset(prompt_ids)
+        done = self._take(out, [rt.prefill(prompt_ids, limit)], limit, on_tokens)
+        proposer.extend(out)
+        forwards, promoted, last_accepted, step = 1, 0, -1, 0
         while not done:
-            t_step = time.perf_counter()
-            if not speculative:
+            if not speculative:  # plain decoding: one target forward, one token
                 done = self._take(out, [rt.ar_step()], limit, on_tokens)
-                forwards += 1
-                continue
-            # 1. candidates from the sources; shape: the policy reads signals available before drafting
-            tries = [s.propose() for s in sources]
-            top1 = rt.draft_top1_prob() if rt.drafter is not None else max(
-                (s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
-            signals = StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted)
-            shape = policy.next_shape(signals)
-            # 2. draft a tree of that shape (unless a source's match is long enough); fuse the candidates in
-            skip = any(t is not None and s.skip_draft(t) for s, t in zip(sources, tries))
-            tree = rt.draft(shape, policy) if rt.drafter is not None and not skip else None
-            fused = None
-            if any(tries) or tree is None:  # (no drafter and nothing proposed: the root alone, a plain step)
-                budget = shape.ndt + max((s.extra_slots() for s, t in zip(sources, tries) if t), default=0)
-                fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device, rules=policy)
-                tree = fused.tree
-            t_draft = time.perf_counter()
-            # 3. verify: one target forward over the tree, then the verifier's rule
-            logits, hidden = rt.verify_forward(tree)
-            t_verify = time.perf_counter()
-            result = verifier.verify(tree, logits)
-            policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
+            else:
+                record, done = self._step(step, last_accepted, out, limit, on_tokens)
+                records.append(record)
+                if on_step is not None:
+                    on_step(record)
+                if self._observe:
+                    self.host.pm.hook.adaptivespec_step(record=record)
+                promoted += record.promoted
+                last_accepted, step = record.accepted, step + 1
             forwards += 1
-            # 4. emit accepted + bonus tokens; commit the accepted path to both caches
-            n_before = len(out)
-            done = self._take(out, result.tokens, limit, on_tokens)
-            if not done:
-                rt.commit(tree, result, hidden)
-            for s, t in zip(sources, tries):
-                s.extend(out[n_before:])
-                if t:
-                    s.observe(t, result.tokens)
-            step_by = fused.accepted_by(result.path, self.proposers) if fused is not None else {"head": result.accepted}
-            step_by = {n: step_by.get(n, 0) for n in by_source}
-            for n, k in step_by.items():
-                by_source[n] += k
-            t_end = time.perf_counter()
-            promoted_total += result.promoted
-            record = StepRecord(
-                step=step,
-                shape=shape,
-                tree_size=tree.size,
-                accepted=result.accepted,
-                promoted=result.promoted,
-                new_tokens=len(out) - n_before,
-                draft_ms=(t_draft - t_step) * 1e3,
-                verify_ms=(t_verify - t_draft) * 1e3,
-                other_ms=(t_end - t_verify) * 1e3,
-                signals=signals,
-                policy_state=policy.state(),
-                accepted_by_source=step_by,
-            )
-            policy.observe(record)
-            records.append(record)
-            if on_step is not None:
-                on_step(record)
-            if self._observe:
-                self.host.pm.hook.adaptivespec_step(record=record)
-            last_accepted, step = result.accepted, step + 1
 
         wall = time.perf_counter() - t0
         stats = {
@@ -199,17 +159,60 @@ class Engine:
             "accept_length_mean": len(out) / forwards,
             "wall_seconds": wall,
             "tokens_per_second": len(out) / wall if wall > 0 else 0.0,
-            "promoted_tokens": promoted_total,
+            "promoted_tokens": promoted,
         }
         if speculative:
-            stats["accepted_by_source"] = by_source
-        for s in sources:
-            s.finish(list(out))
+            stats["accepted_by_source"] = dict(proposer.accepted)
+        proposer.finish(out)
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         res = GenerationResult(token_ids=out, text=text, stats=stats, records=records)
         if self.host.has_observers("adaptivespec_generation_done"):
             self.host.pm.hook.adaptivespec_generation_done(result=res)
         return res
+
+    def _step(self, step: int, last_accepted: int, out: list[int], limit: int, on_tokens) -> tuple[StepRecord, bool]:
+        """One speculative step: propose, verify, commit, observe. Appends the emitted tokens to
+        ``out``; returns the step's record and whether generation is finished."""
+        rt, policy, proposer = self.runtime, self.policy, self.proposer
+        t_step = time.perf_counter()
+        # 1. propose: the sources' candidates give the signals the policy picks the shape from; the
+        #    head drafts a tree of that shape, fused with the candidates (proposal.py)
+        signals = proposer.signals(step, last_accepted)
+        shape = policy.next_shape(signals)
+        proposal = proposer.propose(shape)
+        tree = proposal.tree
+        t_draft = time.perf_counter()
+        # 2. verify: one target forward over the tree (logits [n, V], one row per node), then the
+        #    verifier's rule. Logits processing (e.g. a constraint masking each node's row) goes
+        #    here, between the forward and the rule.
+        logits, hidden = rt.verify_forward(tree)
+        t_verify = time.perf_counter()
+        result = self.verifier.verify(tree, logits)
+        policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
+        # 3. commit: emit accepted + bonus tokens; keep the accepted path in both caches
+        n_before = len(out)
+        done = self._take(out, result.tokens, limit, on_tokens)
+        if not done:
+            rt.commit(tree, result, hidden)
+        # 4. observe: the proposers see what was emitted and accepted; the policy sees the record
+        by_source = proposer.observe(proposal, result, out[n_before:])
+        t_end = time.perf_counter()
+        record = StepRecord(
+            step=step,
+            shape=shape,
+            tree_size=tree.size,
+            accepted=result.accepted,
+            promoted=result.promoted,
+            new_tokens=len(out) - n_before,
+            draft_ms=(t_draft - t_step) * 1e3,
+            verify_ms=(t_verify - t_draft) * 1e3,
+            other_ms=(t_end - t_verify) * 1e3,
+            signals=signals,
+            policy_state=policy.state(),
+            accepted_by_source=by_source,
+        )
+        policy.observe(record)
+        return record, done
 
     def _take(self, out: list[int], tokens: list[int], limit: int, on_tokens) -> bool:
         """Append ``tokens`` up to EOS (inclusive) or the limit; True when generation is finished."""

@@ -10,13 +10,12 @@ capped by its parent's, so the kept set is closed under ancestors (ties: earlier
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
 
-from adaptivespec.ngram import CandidateTrie
-from adaptivespec.types import DraftTree, TreeShape
+from adaptivespec.types import CandidateTrie, DraftTree, TreeShape
 
 HEAD = 1
 """Origin bit of the head's nodes; candidate source ``k`` (0-based) has bit ``2 << k``."""
@@ -62,6 +61,25 @@ class FusionRanking:
     """Most nodes the fused tree may have, the root included."""
 
 
+class FusionRules:
+    """The tree policy's say in fusion (defaults: fusion's own ranking and budget).
+
+    :class:`~adaptivespec.strategies.TreePolicy` inherits these defaults; a policy overrides them
+    to rank the head's nodes on its own scale and to size the fused tree (``cost_aware`` does).
+    :func:`fuse` also takes any object with some of these methods (a missing one: the default)."""
+
+    def fusion_scores(self, head: DraftTree) -> Any:
+        """Scores of the head tree's nodes when it is fused with candidate tries, on their scale
+        (estimated acceptance of each node's path; one per node, the root's ignored); None: the
+        head's own path probability ``exp(draft_logp)``."""
+        return None
+
+    def fusion_size(self, ranking: FusionRanking) -> int:
+        """How many of the fused candidates (a :class:`FusionRanking`, best first) are verified
+        beside the root; at most ``ranking.budget - 1`` (the default)."""
+        return ranking.budget - 1
+
+
 def tree_tensors(tokens: list[int], parents: list[int], logp: list[float], shape: TreeShape, device=None) -> DraftTree:
     """A :class:`DraftTree` from Python lists in topological order (small trees: built on the host)."""
     n = len(tokens)
@@ -102,9 +120,9 @@ def fuse(
     (the shape-bank executor whose buffers verify it). The result's ``draft_logp`` is the log of
     each node's score.
 
-    ``rules`` (optional, the tree policy): ``rules.fusion_scores(head)`` gives the head's scores
-    when ``head_scores`` is None, ``rules.fusion_size(ranking)`` how many ranked candidates are
-    kept (at most ``budget - 1``), and a tree of at most ``shape.ndt`` nodes is recorded with
+    ``rules`` (optional, the tree policy; see :class:`FusionRules`): ``rules.fusion_scores(head)``
+    gives the head's scores when ``head_scores`` is None, ``rules.fusion_size(ranking)`` how many
+    ranked candidates are kept (at most ``budget - 1``), and a tree of at most ``shape.ndt`` nodes is recorded with
     ``rules.verify_shape(shape, n)`` (the bank's bucket for it). Each is skipped when absent.
     """
     tokens, parents, origin, score = [root_token], [-1], [0], [math.inf]

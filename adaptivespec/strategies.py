@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from adaptivespec.fusion import FusionRules
 from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
 
 
@@ -20,12 +21,14 @@ class NoParams:
     """A strategy without parameters."""
 
 
-class TreePolicy:
+class TreePolicy(FusionRules):
     """Chooses the draft-tree shape of every step and how each tree level is kept.
 
     Subclasses implement :meth:`shapes` and :meth:`next_shape`; they may override :meth:`observe`
     (called after every step with its record), :meth:`reset` (new prompt) and the two tree rules
     :meth:`select_level` / :meth:`select_final`, whose defaults are EAGLE-2/3's beam drafting.
+    With candidate sources, the fusion rules (:class:`~adaptivespec.fusion.FusionRules`:
+    ``fusion_scores``, ``fusion_size``) rank and size the fused tree.
     """
 
     name: ClassVar[str] = ""
@@ -62,18 +65,6 @@ class TreePolicy:
         """The bank shape whose executor verifies a tree of ``n`` nodes drafted with ``shape``
         (policies with a variable verify budget return a smaller bucket); default ``shape``."""
         return shape
-
-    # -- fusion with candidate sources (defaults: fusion's own ranking and budget) --------------
-    def fusion_scores(self, head: DraftTree) -> Any:
-        """Scores of the head tree's nodes when it is fused with candidate tries, on their scale
-        (estimated acceptance of each node's path; one per node, the root's ignored); None: the
-        head's own path probability ``exp(draft_logp)``."""
-        return None
-
-    def fusion_size(self, ranking: Any) -> int:
-        """How many of the fused candidates (a :class:`~adaptivespec.fusion.FusionRanking`, best
-        first) are verified beside the root; at most ``ranking.budget - 1`` (the default)."""
-        return ranking.budget - 1
 
     # -- tree construction rules (EAGLE-2/3 defaults) ----------------------------------------
     def select_level(
@@ -146,7 +137,7 @@ class CandidateSource:
         """``tokens`` were appended to the sequence (the last one is the root of the next tree)."""
 
     def propose(self):
-        """A :class:`~adaptivespec.ngram.CandidateTrie` of continuations below the root (its
+        """A :class:`~adaptivespec.types.CandidateTrie` of continuations below the root (its
         ``scores`` set: estimated acceptance of each node's path), or None."""
         raise NotImplementedError
 

@@ -1,4 +1,5 @@
-"""Draft trees: EAGLE-2/3 beam drafting, tree masks, and the accepted-path rule.
+"""Draft trees: EAGLE-2/3 beam drafting, tree masks, the accepted-path rule and the helpers every
+verifier builds its result with (:func:`greedy_matches`, :func:`emit`).
 
 Every function here works on whole tensors: the only Python loops run over tree *levels*
 (at most ``nsteps``, i.e. a handful), never over tokens or vocabulary entries.
@@ -10,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from adaptivespec.types import DraftTree, TreeShape
+from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
 
 class ExpandFn(Protocol):
@@ -156,3 +157,24 @@ def accepted_path(tree: DraftTree, ok: torch.Tensor) -> torch.Tensor:
 def path_to(tree: DraftTree, node: torch.Tensor) -> torch.Tensor:
     """Node indices from the root down to ``node`` (ascending = by depth)."""
     return tree.ancestors[node].nonzero().squeeze(1)
+
+
+def greedy_matches(tree: DraftTree, top1: torch.Tensor) -> torch.Tensor:
+    """[n] bool: node i's token is the target's top-1 at its parent (the root counts as a match).
+
+    ``top1``: [n] the target's argmax at every node. The strict rule: ``accepted_path(tree,
+    greedy_matches(tree, top1))`` is the deepest node whose whole path matches."""
+    ok = tree.tokens == top1[tree.parents.clamp(min=0)]
+    ok[0] = True
+    return ok
+
+
+def emit(tree: DraftTree, last: torch.Tensor, bonus: torch.Tensor, promoted: torch.Tensor | int = 0) -> VerifyResult:
+    """The :class:`VerifyResult` of the path from the root to ``last`` (a 0-dim node index), with
+    ``bonus`` (0-dim token) as the step's last token and ``promoted`` accepted tokens that were not
+    the target's top-1; a single device-to-host transfer. A verifier builds its result with it."""
+    path = path_to(tree, last)
+    promoted = torch.as_tensor(promoted, device=path.device).reshape(1)
+    flat = torch.cat([path, tree.tokens[path[1:]], bonus.reshape(1), promoted]).tolist()
+    k = path.shape[0]
+    return VerifyResult(path=flat[:k], tokens=flat[k : 2 * k], promoted=flat[-1])

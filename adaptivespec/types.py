@@ -140,3 +140,76 @@ class StepRecord:
         d["shape"] = None if self.shape is None else [self.shape.nsteps, self.shape.topk, self.shape.ndt]
         d["signals"] = None if self.signals is None else attrs.asdict(self.signals)
         return d
+
+
+@attrs.define(eq=False, kw_only=True)
+class CandidateTrie:
+    """Continuations a candidate source proposes below the root (the last token of the sequence),
+    as a small trie: what every source returns and :func:`~adaptivespec.fusion.fuse` merges with
+    the head's tree.
+
+    Nodes are in topological order (``parents[i] < i``; ``-1``: a child of the root). ``scores[i]``:
+    estimated probability that the target accepts the path to node i (the source fills it; fusion
+    ranks by it, and a score should not exceed its parent's). ``counts[i]``: occurrences (or any
+    evidence count) whose continuation passes through node i; ``match[i]``: the longest suffix match
+    those occurrences came from (0 for a source that does not match suffixes).
+    """
+
+    tokens: list[int] = attrs.field(factory=list)
+    parents: list[int] = attrs.field(factory=list)
+    counts: list[int] = attrs.field(factory=list)
+    match: list[int] = attrs.field(factory=list)
+    scores: list[float] = attrs.field(factory=list)
+    total: int = 0
+    """Occurrences the trie was built from (the root's count)."""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, *, count: int = 1, match: int = 0) -> int:
+        """Append a node holding ``token`` below ``parent`` (-1: the root); returns its index."""
+        if not -1 <= parent < len(self.tokens):
+            raise ValueError(f"parent: expected -1 or an existing node (< {len(self.tokens)}), got {parent}")
+        self.tokens.append(token), self.parents.append(parent), self.scores.append(score)
+        self.counts.append(count), self.match.append(match)
+        return len(self.tokens) - 1
+
+    @property
+    def match_length(self) -> int:
+        """Longest suffix match any proposal came from (0: the trie is empty)."""
+        return max(self.match, default=0)
+
+    def depths(self) -> list[int]:
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """The token path from the root to every node."""
+        out: list[tuple[int, ...]] = []
+        for t, p in zip(self.tokens, self.parents):
+            out.append((t,) if p < 0 else out[p] + (t,))
+        return out
+
+    def pruned(self, min_score: float) -> "CandidateTrie":
+        """The nodes scoring at least ``min_score`` (scores never grow down a path, so the kept
+        nodes are closed under ancestors; a node whose parent is dropped is dropped too)."""
+        remap: dict[int, int] = {-1: -1}
+        out = CandidateTrie(total=self.total)
+        for i, (t, p, c, m, s) in enumerate(zip(self.tokens, self.parents, self.counts, self.match, self.scores)):
+            if s >= min_score and p in remap:
+                remap[i] = len(out.tokens)
+                out.tokens.append(t)
+                out.parents.append(remap[p])
+                out.counts.append(c)
+                out.match.append(m)
+                out.scores.append(s)
+        return out
+
+    def child(self, parent: int, token: int) -> int:
+        """Index of ``parent``'s child holding ``token`` (``parent=-1``: the root), or -1."""
+        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
+            if p == parent and t == token:
+                return i
+        return -1

@@ -5,22 +5,18 @@ from __future__ import annotations
 import attrs
 
 import adaptivespec
+from adaptivespec.config import positive_int
 from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import StepSignals, TreeShape
 
 
-def _positive_int(inst, attribute, value) -> None:
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class StaticParams:
-    nsteps: int = attrs.field(default=5, validator=_positive_int)
+    nsteps: int = attrs.field(default=5, validator=positive_int)
     """Draft depth (levels below the root)."""
-    topk: int = attrs.field(default=4, validator=_positive_int)
+    topk: int = attrs.field(default=4, validator=positive_int)
     """Branching: children per expanded node and beam width."""
-    ndt: int = attrs.field(default=8, validator=_positive_int)
+    ndt: int = attrs.field(default=8, validator=positive_int)
     """Tokens verified per step, root included."""
 
     def __attrs_post_init__(self) -> None:

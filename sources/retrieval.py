@@ -1,6 +1,6 @@
 """Source ``retrieval``: continuations copied from the prompt, the text so far and earlier outputs.
 
-The sequence (prompt + generated tokens) is kept in an :class:`~adaptivespec.ngram.NGramIndex`
+The sequence (prompt + generated tokens) is kept in an :class:`~adaptivespec.sources.ngram.NGramIndex`
 extended with each step's tokens. Before a step, the longest tail of the sequence that occurred
 before (``min_match <= m <= max_ngram`` tokens) gives up to ``max_occurrences`` earlier positions;
 what followed them (``max_depth`` tokens) is merged into a trie of at most ``max_nodes`` nodes.
@@ -20,47 +20,33 @@ from __future__ import annotations
 import attrs
 
 import adaptivespec
-from adaptivespec.config import number_in
-from adaptivespec.ngram import CandidateTrie, NGramIndex, OutputCache, build_trie
+from adaptivespec.config import int_at_least, number_in, optional_positive_int, positive_int
+from adaptivespec.sources.ngram import NGramIndex, OutputCache, build_trie
 from adaptivespec.strategies import CandidateSource
+from adaptivespec.types import CandidateTrie
 
 BUCKETS = 32
 """Effective match lengths tracked separately (longer ones share the last bucket)."""
 
 
-def _positive_int(inst, attribute, value) -> None:
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-
-
-def _non_negative_int(inst, attribute, value) -> None:
-    if value < 0:
-        raise ValueError(f"expected an integer >= 0, got {value!r}")
-
-
-def _optional_positive_int(inst, attribute, value) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"expected a positive integer or null, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class RetrievalParams:
-    max_ngram: int = attrs.field(default=8, validator=_positive_int)
+    max_ngram: int = attrs.field(default=8, validator=positive_int)
     """Longest suffix of the sequence matched (longer matches count as this long)."""
-    min_match: int = attrs.field(default=1, validator=_positive_int)
+    min_match: int = attrs.field(default=1, validator=positive_int)
     """Shortest suffix match that proposes anything."""
-    max_depth: int = attrs.field(default=8, validator=_positive_int)
+    max_depth: int = attrs.field(default=8, validator=positive_int)
     """Tokens proposed after each occurrence (the trie's depth)."""
-    max_nodes: int = attrs.field(default=16, validator=_positive_int)
+    max_nodes: int = attrs.field(default=16, validator=positive_int)
     """Nodes in the proposed trie (the most frequent kept)."""
-    max_occurrences: int = attrs.field(default=8, validator=_positive_int)
+    max_occurrences: int = attrs.field(default=8, validator=positive_int)
     """Most recent earlier occurrences of the matched suffix merged into the trie."""
-    extra_slots: int = attrs.field(default=0, validator=_non_negative_int)
+    extra_slots: int = attrs.field(default=0, validator=int_at_least(0))
     """Verify slots granted beyond the policy's ndt when there are proposals (the shape bank's
     mask buffers are sized for them)."""
-    skip_draft_match: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    skip_draft_match: int | None = attrs.field(default=None, validator=optional_positive_int)
     """Skip the head's draft passes when the match is at least this long (null: never)."""
-    cache_tokens: int = attrs.field(default=0, validator=_non_negative_int)
+    cache_tokens: int = attrs.field(default=0, validator=int_at_least(0))
     """Tokens of earlier outputs kept for later prompts of the same engine (0: off)."""
     min_score: float = attrs.field(default=0.0, validator=number_in(0, 1, hi_open=True))
     """Proposed nodes whose estimated acceptance is below this are dropped (0: keep all; a node's

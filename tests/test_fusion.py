@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adaptivespec.fusion import HEAD, fuse
-from adaptivespec.ngram import CandidateTrie
+from adaptivespec.types import CandidateTrie
 from adaptivespec.tree import make_tree
 from adaptivespec.types import TreeShape
 
@@ -27,13 +27,10 @@ def head_tree():
 
 def trie(paths_scores):
     """A CandidateTrie from {token path: score}, paths listed parents first."""
-    t = CandidateTrie()
-    index = {}
+    t = CandidateTrie(total=1)
+    index = {(): -1}
     for path, s in paths_scores.items():
-        index[path] = len(t.tokens)
-        t.tokens.append(path[-1]), t.parents.append(index[path[:-1]] if len(path) > 1 else -1)
-        t.counts.append(1), t.match.append(3), t.scores.append(s)
-    t.total = 1
+        index[path] = t.add(index[path[:-1]], path[-1], s, match=3)
     return t
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from adaptivespec.config import load_config
 from adaptivespec.errors import ConfigError
-from adaptivespec.ngram import NGramIndex, OutputCache, build_trie
+from adaptivespec.sources.ngram import NGramIndex, OutputCache, build_trie
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sources.retrieval import RetrievalParams, RetrievalSource
 

@@ -12,12 +12,11 @@ import attrs
 import torch
 
 import adaptivespec
-from adaptivespec.config import number_in, one_of, positive_int
+from adaptivespec.config import number_in, one_of, optional_positive_int
 from adaptivespec.sampling import residual_draw, sibling_accept
 from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path
+from adaptivespec.tree import accepted_path, emit, greedy_matches
 from adaptivespec.types import DraftTree, VerifyResult
-from adaptivespec.verifiers.strict import emit, greedy_matches
 
 DEFAULT_KAPPA = 0.9
 """Default threshold, chosen by measurement on held-out GSM8K *train* prompts (30 problems, 256
@@ -33,23 +32,15 @@ THRESHOLD_TOL = 1e-6
 so that a ratio equal to kappa up to float32 rounding is promoted whatever the logits' offset."""
 
 
-def _optional_positive_int(inst, attribute, value) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"expected a positive integer or null, got {value!r}")
-    positive_int(inst, attribute, value)
-
-
 @attrs.frozen(kw_only=True)
 class MarginParams:
     kappa: float = attrs.field(default=DEFAULT_KAPPA, validator=number_in(0, 1, lo_open=True))
     """Threshold on p_target(drafted) / p_target(top-1) for the ``ratio`` form; lower = more lossy.
     kappa = 1 promotes only exact ties with the top-1."""
-    max_promotions: int | None = attrs.field(default=1, validator=_optional_positive_int)
+    max_promotions: int | None = attrs.field(default=1, validator=optional_positive_int)
     """Promotions allowed per step; 1 is the paper's single-position rule, null = unlimited.
     Below the last allowed promotion the walk is strict."""
-    top_k: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    top_k: int | None = attrs.field(default=None, validator=optional_positive_int)
     """If set, a drafted token is promotable only within the target's top-k at its parent
     (ties with the k-th logit count as inside)."""
     form: str = attrs.field(default="ratio", validator=one_of("ratio", "additive"))

@@ -13,24 +13,10 @@ import torch
 import adaptivespec
 from adaptivespec.sampling import residual_draw, sibling_accept
 from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path, path_to
+from adaptivespec.tree import accepted_path, emit, greedy_matches
 from adaptivespec.types import DraftTree, VerifyResult
 
-
-def greedy_matches(tree: DraftTree, top1: torch.Tensor) -> torch.Tensor:
-    """[n] bool: node i's token is the target's top-1 at its parent (the root counts as a match)."""
-    ok = tree.tokens == top1[tree.parents.clamp(min=0)]
-    ok[0] = True
-    return ok
-
-
-def emit(tree: DraftTree, last: torch.Tensor, bonus: torch.Tensor, promoted: torch.Tensor | int = 0) -> VerifyResult:
-    """Build the result with a single device-to-host transfer."""
-    path = path_to(tree, last)
-    promoted = torch.as_tensor(promoted, device=path.device).reshape(1)
-    flat = torch.cat([path, tree.tokens[path[1:]], bonus.reshape(1), promoted]).tolist()
-    k = path.shape[0]
-    return VerifyResult(path=flat[:k], tokens=flat[k : 2 * k], promoted=flat[-1])
+__all__ = ["StrictVerifier", "emit", "greedy_matches"]  # the helpers live in adaptivespec.tree (kept importable here)
 
 
 class StrictVerifier(Verifier):

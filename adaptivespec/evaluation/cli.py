@@ -14,11 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    from adaptivespec.cli import positive_int
-
-    return positive_int(text)
+from adaptivespec.cli import positive_int
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -27,13 +23,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--dataset", required=True, metavar="NAME", help=f"evaluation set: {', '.join(DATASETS)}")
     p.add_argument("--data", metavar="FILE.jsonl", help="read the dataset from this JSON-lines file (same fields)")
-    p.add_argument("--limit", type=_positive_int, metavar="N", help="the first N problems only")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="the first N problems only")
     p.add_argument("--categories", metavar="A,B", help="only these categories (specbench: mt_bench, translation, "
                    "summarization, qa, math_reasoning, rag; mtbench: its eight; math500: subjects)")
-    p.add_argument("--per-category", type=_positive_int, metavar="N",
+    p.add_argument("--per-category", type=positive_int, metavar="N",
                    help="the first N problems of each category (balanced small runs)")
     defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_MAX_NEW_TOKENS.items())
-    p.add_argument("--max-new-tokens", type=_positive_int, metavar="M", help=f"generation limit per prompt (default per dataset: {defaults})")
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="M", help=f"generation limit per prompt (default per dataset: {defaults})")
     p.add_argument("--out", metavar="DIR", help="run folder (resumable; default runs/<command>-...)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key in every config, e.g. --set runtime.dtype=float32 (repeatable); "

@@ -51,7 +51,7 @@ def test_fuse_head_and_trie(benchmark):
     import torch
 
     from adaptivespec.fusion import fuse
-    from adaptivespec.ngram import build_trie
+    from adaptivespec.sources.ngram import build_trie
     from adaptivespec.tree import make_tree
     from adaptivespec.types import TreeShape
 

@@ -14,9 +14,8 @@ import torch
 
 from adaptivespec.config import number_in, positive_int
 from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path
+from adaptivespec.tree import accepted_path, emit, greedy_matches
 from adaptivespec.types import DraftTree, VerifyResult
-from adaptivespec.verifiers.strict import emit, greedy_matches
 
 
 @attrs.frozen(kw_only=True)

@@ -13,7 +13,8 @@ from adaptivespec.config import load_config, structure
 from adaptivespec.errors import ConfigError
 from adaptivespec.testing import registered, tree_with_logits
 from adaptivespec.types import TreeShape
-from adaptivespec.verifiers.strict import StrictVerifier, greedy_matches
+from adaptivespec.tree import greedy_matches
+from adaptivespec.verifiers.strict import StrictVerifier
 from adaptivespec_fly import FlyParams, FlyVerifier, strict_run_below, topk_entropy
 
 V = 64

@@ -1,4 +1,5 @@
-"""An incremental n-gram index over token sequences, and the continuation tries it proposes.
+"""An incremental n-gram index over token sequences, and the continuation tries built from it
+(the algorithm of the ``retrieval`` source; the trie is :class:`~adaptivespec.types.CandidateTrie`).
 
 Why an n-gram table and not a suffix automaton: both extend in O(1) per token, but a lookup here
 needs every recent occurrence of the matched suffix (for counts), which an automaton only gives
@@ -19,69 +20,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterable, Sequence
 
-import attrs
-
-
-@attrs.define(eq=False, kw_only=True)
-class CandidateTrie:
-    """Continuations proposed below the root (the last token of the sequence), as a small trie.
-
-    Nodes are in topological order (``parents[i] < i``; ``-1``: a child of the root). ``counts[i]``:
-    occurrences whose continuation passes through node i; ``match[i]``: the longest suffix match
-    those occurrences came from; ``scores[i]``: estimated probability that the target accepts the
-    path to node i (the source fills it; fusion ranks by it).
-    """
-
-    tokens: list[int] = attrs.field(factory=list)
-    parents: list[int] = attrs.field(factory=list)
-    counts: list[int] = attrs.field(factory=list)
-    match: list[int] = attrs.field(factory=list)
-    scores: list[float] = attrs.field(factory=list)
-    total: int = 0
-    """Occurrences the trie was built from (the root's count)."""
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def match_length(self) -> int:
-        """Longest suffix match any proposal came from (0: the trie is empty)."""
-        return max(self.match, default=0)
-
-    def depths(self) -> list[int]:
-        out: list[int] = []
-        for p in self.parents:
-            out.append(1 if p < 0 else out[p] + 1)
-        return out
-
-    def paths(self) -> list[tuple[int, ...]]:
-        """The token path from the root to every node."""
-        out: list[tuple[int, ...]] = []
-        for t, p in zip(self.tokens, self.parents):
-            out.append((t,) if p < 0 else out[p] + (t,))
-        return out
-
-    def pruned(self, min_score: float) -> "CandidateTrie":
-        """The nodes scoring at least ``min_score`` (scores never grow down a path, so the kept
-        nodes are closed under ancestors; a node whose parent is dropped is dropped too)."""
-        remap: dict[int, int] = {-1: -1}
-        out = CandidateTrie(total=self.total)
-        for i, (t, p, c, m, s) in enumerate(zip(self.tokens, self.parents, self.counts, self.match, self.scores)):
-            if s >= min_score and p in remap:
-                remap[i] = len(out.tokens)
-                out.tokens.append(t)
-                out.parents.append(remap[p])
-                out.counts.append(c)
-                out.match.append(m)
-                out.scores.append(s)
-        return out
-
-    def child(self, parent: int, token: int) -> int:
-        """Index of ``parent``'s child holding ``token`` (``parent=-1``: the root), or -1."""
-        for i, (t, p) in enumerate(zip(self.tokens, self.parents)):
-            if p == parent and t == token:
-                return i
-        return -1
+from adaptivespec.types import CandidateTrie
 
 
 def build_trie(continuations: Iterable[tuple[Sequence[int], int]], max_nodes: int) -> CandidateTrie:
