@@ -4,10 +4,13 @@ Decodes a few prompts with a set of static tree shapes (interleaved: prompt by p
 shape in turn, so machine drift hits all alike), times every speculative step, and fits by least
 squares::
 
-    step_ms = fixed + per_context * P + per_draft_level * L + per_draft_node * E + per_verified_token * n
+    step_ms = fixed + per_context * P + per_draft_level * L + per_draft_node * E
+              + (per_verified_token + per_verified_token_context * P) * n
 
 (``P`` committed positions, ``L = nsteps - 1`` drafter forwards, ``E = L * topk`` nodes run through
-the drafter, ``n`` tokens verified with the root). The profile (JSON) records the machine, dtype,
+the drafter, ``n`` tokens verified with the root; the per-row growth with ``P`` is fitted only
+when the prompts' lengths differ by 256 tokens or more: give long and short ones to size trees
+for long prompts). The profile (JSON) records the machine, dtype,
 model, the coefficients, the fit error, the median step time of every shape measured (on a GPU
 with CUDA graphs: per captured shape) and the command. With ``--prior-out`` the same decodes also
 give the calibration prior: accepted / verified drafted nodes per (depth, cumulative draft
@@ -139,7 +142,8 @@ def run_calibrate(args) -> int:
     model.save(args.out)
     c, fit = model, model.meta["fit"]
     print(f"step_ms = {c.fixed:.2f} + {c.per_context * 1e3:.3f}e-3 * P + {c.per_draft_level:.3f} * levels + "
-          f"{c.per_draft_node:.4f} * drafted nodes + {c.per_verified_token:.3f} * verified tokens; mean |rel. error| "
+          f"{c.per_draft_node:.4f} * drafted nodes + ({c.per_verified_token:.3f} + {c.per_verified_token_context * 1e3:.4f}e-3 * P) "
+          f"* verified tokens; mean |rel. error| "
           f"{100 * fit['mean_abs_rel_error']:.1f}% over {fit['steps']} steps; wrote {args.out}")
     if args.prior_out:
         save_prior(args.prior_out, cells[0].reshape(depth + 1, -1), cells[1].reshape(depth + 1, -1),

@@ -6,10 +6,13 @@ Three pieces, used by the ``cost_aware`` tree policy and reusable on any candida
   does, fitted by least squares to measured steps (``adaptivespec calibrate``) and stored as a
   small JSON *profile*::
 
-      t(step) = fixed + per_context * P + per_draft_level * L + per_draft_node * E + per_verified_token * n
+      t(step) = fixed + per_context * P + per_draft_level * L + per_draft_node * E
+                + (per_verified_token + per_verified_token_context * P) * n
 
   (``P`` committed positions, ``L`` drafter forwards, ``E`` nodes run through the drafter, ``n``
-  tokens verified, the root included).
+  tokens verified, the root included). Every verified row attends over the whole context, so a
+  row costs more as the prompt grows: ``per_verified_token_context`` is that growth (0 in a
+  profile fitted on prompts of one length, or written before the term existed).
 * :class:`CalibrationMap`: an online map from a drafted node's (depth, cumulative draft
   log-probability) to the probability that strict verification accepts it, updated from every
   verify result (which nodes were verified, which were on the accepted path), starting from a
@@ -40,7 +43,8 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 DEFAULT_COST_PROFILE = "cpu-smollm2-135m-bf16.json"
 DEFAULT_PRIOR = "calibration-smollm2-135m-embedded.json"
 
-COST_TERMS = ("fixed", "per_context", "per_draft_level", "per_draft_node", "per_verified_token")
+COST_TERMS = ("fixed", "per_context", "per_draft_level", "per_draft_node", "per_verified_token",
+              "per_verified_token_context")
 
 LOGP_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5, -7.0)
 """Bin edges of the cumulative draft log-probability (bin 0 is the most likely, > -0.05)."""
@@ -76,6 +80,8 @@ class CostModel:
     per_draft_level: float = 0.0
     per_draft_node: float = 0.0
     per_verified_token: float = 0.0
+    per_verified_token_context: float = 0.0
+    """Extra milliseconds per verified token per committed position (attention over the context)."""
     context_ref: float = 256.0
     """Typical committed context (positions) when a caller does not know ``P``."""
     meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
@@ -84,7 +90,12 @@ class CostModel:
     def step_ms(self, verified: float, levels: float = 0, nodes: float = 0, context: float | None = None) -> float:
         P = self.context_ref if context is None else context
         return (self.fixed + self.per_context * P + self.per_draft_level * levels
-                + self.per_draft_node * nodes + self.per_verified_token * verified)
+                + self.per_draft_node * nodes + self.token_ms(P) * verified)
+
+    def token_ms(self, context: float | None = None) -> float:
+        """Cost of one more verified token at ``context`` committed positions (default ``context_ref``)."""
+        P = self.context_ref if context is None else context
+        return self.per_verified_token + self.per_verified_token_context * P
 
     def base_ms(self, context: float | None = None) -> float:
         """Fixed part of a step: nothing drafted below depth 1, nothing verified."""
@@ -92,15 +103,18 @@ class CostModel:
 
     @classmethod
     def fit(cls, rows: Sequence[Sequence[float]], **meta: Any) -> "CostModel":
-        """Least squares over rows ``(P, L, E, n, step_ms)``; terms no row varies are fixed at 0.
+        """Least squares over rows ``(P, L, E, n, step_ms)`` (and the product ``n * P``); terms no
+        row varies are fixed at 0.
 
         Adds ``fit`` (mean and max relative error, rows) to ``meta``.
         """
         if len(rows) < 2:
             raise AdaptiveSpecError(f"cost model: need at least 2 timed steps to fit, got {len(rows)}")
         data = torch.tensor([list(map(float, r)) for r in rows], dtype=torch.float64)
-        X, y = data[:, :4], data[:, 4]
-        varies = [j for j in range(4) if float(X[:, j].max() - X[:, j].min()) > 0]
+        X, y = torch.cat([data[:, :4], data[:, 3:4] * data[:, :1]], dim=1), data[:, 4]  # P, L, E, n, n * P
+        # n * P varies with n alone when P does not: keep it only when the contexts differ enough
+        spread = float(X[:, 0].max() - X[:, 0].min())
+        varies = [j for j in range(5) if float(X[:, j].max() - X[:, j].min()) > 0 and (j < 4 or spread >= 256)]
         dropped = []
         while True:  # a negative cost per unit is noise (or collinearity): drop that term and refit
             A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
@@ -109,7 +123,7 @@ class CostModel:
                 break
             worst = int(sol[1:].argmin())
             dropped.append(COST_TERMS[1 + varies.pop(worst)])
-        coef = [0.0] * 5
+        coef = [0.0] * len(COST_TERMS)
         coef[0] = float(sol[0])
         for i, j in enumerate(varies):
             coef[1 + j] = float(sol[1 + i])

@@ -96,7 +96,7 @@ class Proposer:
         self._tries = tries = [s.propose() for s in self.sources]
         top1 = rt.draft_top1_prob() if rt.drafter is not None else max(
             (s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
-        return StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted)
+        return StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted, context=int(getattr(rt, "P", 0)))
 
     def propose(self, shape: TreeShape) -> Proposal:
         """This step's verify tree: the head's tree of ``shape`` (not drafted when a source's

@@ -103,6 +103,9 @@ class StepSignals:
     """Draft model's top-1 probability for the first token below the root at this step."""
     last_accepted: int
     """Drafted tokens accepted at the previous step (-1 before the first step)."""
+    context: int = 0
+    """Positions already in the target's cache (prompt + accepted tokens): what every verified row
+    attends over, so what a row costs grows with it. 0 where the caller does not know."""
 
 
 @attrs.frozen(kw_only=True)

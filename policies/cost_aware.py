@@ -169,6 +169,7 @@ class CostAwarePolicy(TreePolicy):
         self._cont_n = np.full(D + 1, 4.0)
         self._cont_a = np.full(D + 1, 2.0)
         self._steps = 0
+        self._context: int | None = None  # committed positions this step (None: the profile's context_ref)
         self.reset()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -193,6 +194,7 @@ class CostAwarePolicy(TreePolicy):
         self._probe = False  # this step's tree is the circuit breaker's probe
 
     def next_shape(self, signals: StepSignals) -> TreeShape:
+        self._context = getattr(signals, "context", 0) or None  # what a verified row costs depends on it
         return self.shape
 
     def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
@@ -205,7 +207,12 @@ class CostAwarePolicy(TreePolicy):
     # -- tree rules --------------------------------------------------------------------------------
     def _base_ms(self, levels: int, nodes: int) -> float:
         c = self.cost
-        return c.base_ms() + c.per_draft_level * levels + c.per_draft_node * nodes
+        return c.base_ms(self._context) + c.per_draft_level * levels + c.per_draft_node * nodes
+
+    @property
+    def _token_ms(self) -> float:
+        """Cost of one more verified token at this step's context."""
+        return self.cost.token_ms(self._context)
 
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
@@ -225,7 +232,7 @@ class CostAwarePolicy(TreePolicy):
         c = self.cost
         levels, nodes = depth - 1, (depth - 1) * shape.topk  # drafter forwards and nodes run so far
         pool = np.concatenate(self._values) if depth > 1 else v
-        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=c.per_verified_token,
+        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
         # the beam is the level's top-k by score; values are monotone in score at one depth
         top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
@@ -234,7 +241,7 @@ class CostAwarePolicy(TreePolicy):
         else:  # myopic: the next level alone, every beam child verified
             cont = float(self._continuation(depth + 1)) if depth + 1 < self._cont_n.shape[0] else 0.0
             gain = float(top.sum()) * cont
-            margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + c.per_verified_token))
+            margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + self._token_ms))
         self._level_gain.append(margin)
         if margin <= 0:
             self._stop = "cost"
@@ -253,7 +260,7 @@ class CostAwarePolicy(TreePolicy):
         c, L = self.cost, min(self.params.lookahead, levels_left)
         idx = np.minimum(np.arange(depth + 1, depth + 1 + L), self._cont_n.shape[0] - 1)  # deeper ones share the last
         reach = np.cumprod(self._continuation(idx))  # [L] P(path goes on j more levels)
-        surplus = np.maximum(beam_values[:, None] * reach[None, :] - rate * c.per_verified_token, 0.0).sum(0)
+        surplus = np.maximum(beam_values[:, None] * reach[None, :] - rate * self._token_ms, 0.0).sum(0)
         draft = rate * (c.per_draft_level + beam_values.shape[0] * c.per_draft_node)
         return float(np.cumsum(surplus - draft).max())
 
@@ -287,7 +294,7 @@ class CostAwarePolicy(TreePolicy):
         forced = np.zeros(values.shape[0], dtype=bool)
         m = min(self.params.min_keep, n1)
         forced[np.argsort(-values[:n1], kind="stable")[:m]] = True  # depth 1: value order = score order
-        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
                                        min_keep=self.params.min_keep, max_keep=cap, forced=forced)
         if self.params.fill_buckets:
             k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
@@ -315,7 +322,7 @@ class CostAwarePolicy(TreePolicy):
         lo = int(first[m - 1]) + 1 if m else 0  # ranks are non-increasing: the best children come first
         levels = max(len(self._levels) - 1, 0) if self._head is not None else 0  # drafter forwards this step
         nodes = levels * min(self.params.topk, self._levels[0]) if levels else 0
-        _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self.cost.per_verified_token,
+        _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
                                    min_keep=min(lo, cap), max_keep=cap)
         if self._probe:  # the circuit breaker's probe: every candidate the bank has room for
             k, rate = cap, 0.0

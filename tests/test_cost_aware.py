@@ -51,6 +51,44 @@ def test_cost_model_terms_no_row_varies_are_zero_and_bad_input_is_refused(tmp_pa
         CostModel.load(tmp_path / "bad.json")
 
 
+def test_cost_model_fits_the_per_row_growth_with_context_and_old_profiles_load_without_it(tmp_path):
+    # each verified row attends over the context: 0.3 ms + 0.0002 ms per committed position
+    rows = [(P, 2, 8, n, 30.0 + 0.002 * P + 1.5 * 2 + (0.3 + 0.0002 * P) * n)
+            for P in (256, 1024, 2048, 4096) for n in (1, 4, 8, 16, 32)]
+    model = CostModel.fit(rows)
+    assert model.per_verified_token == pytest.approx(0.3, rel=0.05)
+    assert model.per_verified_token_context == pytest.approx(0.0002, rel=0.05)
+    assert model.token_ms(4096) == pytest.approx(0.3 + 0.0002 * 4096, rel=0.02)
+    assert model.step_ms(16, 2, 8, 4096) == pytest.approx(rows[-2][4], rel=0.01)
+    # one context length: the product term would only re-express the per-row cost, so it stays 0
+    flat = CostModel.fit([r for r in rows if r[0] == 1024])
+    assert flat.per_verified_token_context == 0.0
+    assert flat.token_ms(1024) == pytest.approx(0.3 + 0.0002 * 1024, rel=0.05)
+    (tmp_path / "old.json").write_text(json.dumps({"coefficients_ms": {"fixed": 30.0, "per_verified_token": 1.0}}))
+    old = CostModel.load(tmp_path / "old.json")
+    assert old.per_verified_token_context == 0.0 and old.token_ms(4096) == 1.0
+
+
+def test_cost_aware_verifies_fewer_rows_where_rows_cost_more(tmp_path):
+    from adaptivespec.types import StepSignals
+
+    cost = tmp_path / "ctx.json"
+    CostModel(fixed=30.0, per_draft_level=0.5, per_verified_token=0.2, per_verified_token_context=0.002,
+              context_ref=0).save(cost)
+    pr = tmp_path / "prior.json"
+    save_prior(pr, true_table(8), torch.ones_like(true_table(8)), shrink=0)
+    pol = CostAwarePolicy(structure(CostAwareParams, {"profile": str(cost), "prior": str(pr), "prior_weight": 1e6},
+                                    "test", "policy"))
+    values = torch.tensor([0.9, 0.8, 0.6, 0.5, 0.4, 0.35, 0.3, 0.2, 0.15, 0.1, 0.05])
+    kept = {}
+    for P in (128, 4096):
+        pol.next_shape(StepSignals(step=0, draft_top1_prob=0.9, last_accepted=1, context=P))
+        _, kept[P], _ = rank_by_value(values.numpy(), base_ms=pol._base_ms(1, 4), per_token_ms=pol._token_ms,
+                                      min_keep=1, max_keep=11)
+    assert pol._token_ms == pytest.approx(0.2 + 0.002 * 4096)
+    assert kept[4096] < kept[128]
+
+
 # -- calibration map ---------------------------------------------------------------------------------
 def true_table(depths: int) -> torch.Tensor:
     """A monotone acceptance table: likelier bins and shallower depths accept more."""

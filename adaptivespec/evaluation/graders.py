@@ -13,7 +13,7 @@
 * ``humaneval`` -- pass@1: :func:`humaneval_program` builds prompt/completion + test +
   ``check(entry_point)``, run by :func:`adaptivespec.evaluation.sandbox.run_python` in a separate
   process with a time limit.
-* ``specbench``/``mtbench`` -- no grader: ``correct`` is ``None``.
+* ``specbench``/``mtbench``/``longctx`` -- no grader: ``correct`` is ``None``.
 
 No grader raises for a bad completion: every failure is ``correct=False`` with a reason.
 """
@@ -62,11 +62,11 @@ def grade(problem: Problem, completion: str, *, timeout: float = 10.0) -> GradeR
         return grade_math(completion, problem.reference)
     if problem.task == "humaneval":
         return grade_humaneval(problem, completion, timeout=timeout)
-    if problem.task in ("specbench", "mtbench"):
+    if problem.task in ("specbench", "mtbench", "longctx"):
         return _result(None, None, f"no grader for task {problem.task!r}")
     raise AdaptiveSpecError(
         f"no grader for task {problem.task!r}; graded tasks: gsm8k, math500, humaneval "
-        "(specbench and mtbench are ungraded)"
+        "(specbench, mtbench and longctx are ungraded)"
     )
 
 
