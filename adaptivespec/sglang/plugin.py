@@ -180,8 +180,10 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             config = load_config(config_path)
             policy, self.adaptivespec_verifier = build_strategies(config, host)
             observe = host.has_observers("adaptivespec_step")
+            trace = StepTrace.from_env()
             self.adaptivespec = TripletController(
-                policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None
+                policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None,
+                on_trace=trace.write if trace is not None else None,
             )
             bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
             self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
@@ -223,7 +225,8 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             )
 
         def _adaptivespec_capture(self, shape: TreeShape):
-            """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it."""
+            """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it (on a
+            CPU: an eager state, :meth:`_adaptivespec_eager_state`)."""
             dw, saved = self._draft_worker, self.topk
             self.topk = dw.topk = shape.topk
             get_context().override("adaptivespec.capture", speculative_eagle_topk=shape.topk)
@@ -233,10 +236,37 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
                     ew.speculative_moe_backend_context(),
                     ew.speculative_moe_a2a_backend_context(),
                 ):
+                    if _is_cpu_device(self.device):
+                        return self._adaptivespec_eager_state(shape)
                     return self.build_adaptive_runtime_state(shape.nsteps, shape.ndt, cuda_graph_bs=None)
             finally:
                 self.topk = dw.topk = saved
                 get_context().override("adaptivespec.capture_restore", speculative_eagle_topk=saved)
+
+        def _adaptivespec_eager_state(self, shape: TreeShape):
+            """``shape``'s state without graphs: SGLang's CPU attention backend (Intel AMX) has no
+            CUDA-graph state, so ``build_adaptive_runtime_state`` cannot capture one. The draft
+            backends (one per draft step) and the target's verify backend are built for the shape,
+            as that builder does before capturing; every forward then runs eagerly."""
+            dw = self._draft_worker
+            with self._override_worker_state(shape.nsteps, shape.ndt):
+                dw.init_attention_backend()
+                runner = self._target_worker.model_runner
+                backup = runner.init_new_workspace
+                try:
+                    target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
+                finally:
+                    runner.init_new_workspace = backup
+                return SpecRuntimeState(
+                    speculative_num_steps=shape.nsteps,
+                    speculative_num_draft_tokens=shape.ndt,
+                    draft_attn_backend=dw.draft_attn_backend,
+                    cuda_graph_runner=None,
+                    target_attn_backend=target_attn_backend,
+                    target_graph_runner=None,
+                    draft_extend_attn_backend=dw.draft_extend_attn_backend,
+                    cuda_graph_runner_for_draft_extend=None,
+                )
 
         def _adaptivespec_activate(self, shape: TreeShape) -> None:
             if shape == self.adaptivespec_shape:
@@ -277,6 +307,40 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             self.adaptivespec.observe(num_correct_drafts_per_req)
 
     return AdaptiveSpecDraftWorker, AdaptiveSpecWorker
+
+
+def _is_cpu_device(device: Any) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+class StepTrace:
+    """JSON lines, one per observed decode step, appended to the file ``ADAPTIVESPEC_SGLANG_TRACE``
+    names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "bs",
+    "accepted", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the batch as the
+    policy sees it). Line-buffered: a reader sees every finished step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        from adaptivespec.sglang.serve import TRACE_ENV
+
+        path = os.environ.get(TRACE_ENV, "").strip()
+        return cls(path) if path else None
+
+    def write(self, record, batch_size: int) -> None:
+        import json
+
+        s = record.shape
+        line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
+                "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+        self._file.write(json.dumps(line) + "\n")
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _warn_once(message: str) -> None:

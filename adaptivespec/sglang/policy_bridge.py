@@ -92,6 +92,7 @@ class _PendingStep:
     shape: TreeShape
     signals: StepSignals
     policy_state: dict[str, Any]
+    batch_size: int = 1
     promoted: list[int] | None = None
 
 
@@ -121,6 +122,7 @@ class TripletController:
         *,
         batch_reduce: str = "mean",
         on_record: Callable[[StepRecord], None] | None = None,
+        on_trace: Callable[[StepRecord, int], None] | None = None,
     ) -> None:
         if batch_reduce not in BATCH_REDUCERS:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
@@ -134,6 +136,7 @@ class TripletController:
         self.shapes = shapes
         self.batch_reduce = batch_reduce
         self.on_record = on_record
+        self.on_trace = on_trace
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0
@@ -172,7 +175,8 @@ class TripletController:
                 f"policy {self.policy.name!r} chose {shape}, which is not among the shapes it declared "
                 f"(and that were captured): {format_shapes(self.shapes)}"
             )
-        self._pending.append(_PendingStep(self._step, self._epoch, shape, signals, dict(self.policy.state())))
+        self._pending.append(_PendingStep(self._step, self._epoch, shape, signals, dict(self.policy.state()),
+                                          batch_size=int(topk_p.shape[0])))
         self._step += 1
         return shape
 
@@ -212,6 +216,8 @@ class TripletController:
         self.last_record = record
         if self.on_record is not None:
             self.on_record(record)
+        if self.on_trace is not None:
+            self.on_trace(record, p.batch_size)
         return record
 
 
