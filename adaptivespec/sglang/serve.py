@@ -96,6 +96,12 @@ def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
     ``--device cpu``, ``--dtype bfloat16`` (the draft otherwise runs float16 against a bf16 target
     and the AMX GEMM refuses the mix) and ``--max-total-tokens`` (:func:`kv_tokens`)."""
     given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
+    for i, a in enumerate(extra_args):
+        value = a.split("=", 1)[1] if a.startswith("--dtype=") else (
+            extra_args[i + 1] if a == "--dtype" and i + 1 < len(extra_args) else None)
+        if value in ("float32", "float"):
+            raise AdaptiveSpecError(f"--dtype {value}: SGLang's CPU kernels run bfloat16 only (their RMSNorm has no "
+                                    "float32 kernel); drop --dtype, serve picks bfloat16")
     out: list[str] = []
     for flag, value in (("--device", "cpu"), ("--dtype", "bfloat16"), ("--max-total-tokens", None)):
         if flag not in given:
