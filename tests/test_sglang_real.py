@@ -6,10 +6,12 @@ policy with the strict verifier, per-step trace on). Both are always stopped (pr
 
 Precision: SGLang's CPU kernels run bfloat16 only (``--dtype float32`` fails in their RMSNorm), so a
 strict config cannot be held to token-for-token equality with plain decoding: the verify forward
-runs ``ndt`` rows where plain decoding runs one, and bf16 rounding differs. The test bounds what
-may differ: at the first token where the two outputs part, both tokens must be within
-:data:`NEAR_TIE` of each other in the float32 model's logits (a near-tie that bf16 rounding can
-flip), and most prompts must match in full. Each request is sent with the prefix cache flushed:
+runs ``ndt`` rows where plain decoding runs one, and bf16 rounding differs (measured here: 1 of 6
+prompts identical over 32 tokens, every parting at a float32 logit gap of 0.03-0.17). The test
+bounds what may differ instead: every token the strict served config emits is within
+:data:`NEAR_TIE` of the float32 model's best logit given its own prefix (teacher forcing), at least
+90% of them are the float32 argmax, and where it parts from SGLang's plain decoding the two
+tokens are within :data:`NEAR_TIE` of each other. Each request is sent with the prefix cache flushed:
 a cached prefix shortens the prefill and changes its bf16 rounding (why two identical requests
 could return different texts; see docs/serving.md).
 
@@ -124,27 +126,45 @@ def test_openai_chat_and_native_generate(served):
     assert 0 < meta["spec_verify_ct"] < meta["completion_tokens"]
 
 
+def _float32_gaps(model, prompt: list[int], output: list[int]) -> list[float]:
+    """Per output token: float32 max logit minus the token's logit, given the output before it
+    (teacher forcing, one forward); 0 where the token is the float32 argmax."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(output)].float()
+    chosen = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
+    return (logits.max(dim=1).values - chosen).tolist()
+
+
 def test_strict_config_matches_plain_decoding_up_to_bf16_near_ties(served, plain_outputs, prompt_ids, smol32):
     server, _ = served
     model, _ = smol32
-    identical, ties = 0, []
+    identical, parted, gaps = 0, [], []
     for ids, plain in zip(prompt_ids, plain_outputs):
         server.flush_cache()
         spec = server.generate(ids, NEW_TOKENS)["output_ids"]
+        # every token the strict served config emitted is the float32 argmax or a bf16 near-tie of it
+        g = _float32_gaps(model, ids, spec)
+        gaps += g
+        worst = max(range(len(g)), key=g.__getitem__)
+        assert g[worst] <= NEAR_TIE, (f"served token {worst} ({spec[worst]}) is {g[worst]:.3f} below the float32 "
+                                      f"argmax's logit: not a bf16 near-tie")
         if spec == plain:
             identical += 1
             continue
+        # where it parts from SGLang's plain decoding, the two tokens are a near-tie
         j = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), min(len(spec), len(plain)))
         assert j < min(len(spec), len(plain)), f"one output stops early without a differing token: {spec} vs {plain}"
         with torch.inference_mode():
             logits = model(torch.tensor([ids + plain[:j]])).logits[0, -1].float()
         gap = abs(float(logits[spec[j]] - logits[plain[j]]))
-        best = float(logits.max())
-        ties.append((j, gap))
-        assert gap <= NEAR_TIE and best - max(float(logits[spec[j]]), float(logits[plain[j]])) <= NEAR_TIE, (
-            f"served strict output parts from plain decoding at token {j} where float32 logits differ by {gap:.3f} "
-            f"(not a bf16 near-tie): {spec[:j + 1]} vs {plain[:j + 1]}")
-    assert identical >= len(PROMPTS) // 2, f"only {identical}/{len(PROMPTS)} identical; near-ties at {ties}"
+        parted.append((j, round(gap, 3)))
+        assert gap <= NEAR_TIE, (f"served strict output parts from plain decoding at token {j} where float32 logits "
+                                 f"differ by {gap:.3f} (not a bf16 near-tie): {spec[:j + 1]} vs {plain[:j + 1]}")
+    exact = sum(x == 0 for x in gaps) / len(gaps)
+    # a verifier that accepted wrong drafts would emit many non-argmax tokens; bf16 flips few
+    assert exact >= 0.9, f"only {exact:.0%} of served tokens are the float32 argmax; parted from plain at {parted}"
+    print(f"strict served vs SGLang plain: {identical}/{len(PROMPTS)} identical, parted at (token, float32 gap) "
+          f"{parted}; {exact:.1%} of served tokens are the float32 argmax")
 
 
 def test_identical_requests_are_identical_once_the_prefix_cache_is_flushed(served, prompt_ids):

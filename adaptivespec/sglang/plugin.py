@@ -184,6 +184,7 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             self.adaptivespec = TripletController(
                 policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None,
                 on_trace=trace.write if trace is not None else None,
+                verify_budget=verify_budget_from_env(),
             )
             bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
             self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
@@ -236,7 +237,7 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
                     ew.speculative_moe_backend_context(),
                     ew.speculative_moe_a2a_backend_context(),
                 ):
-                    if _is_cpu_device(self.device):
+                    if _is_cpu_device(getattr(self, "device", None)):
                         return self._adaptivespec_eager_state(shape)
                     return self.build_adaptive_runtime_state(shape.nsteps, shape.ndt, cuda_graph_bs=None)
             finally:
@@ -307,6 +308,21 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             self.adaptivespec.observe(num_correct_drafts_per_req)
 
     return AdaptiveSpecDraftWorker, AdaptiveSpecWorker
+
+
+def verify_budget_from_env() -> int | None:
+    """``ADAPTIVESPEC_SGLANG_VERIFY_BUDGET`` (``serve --verify-budget``): verified rows per step
+    (batch size x ndt) past which the controller shrinks the tree; unset or 0: no cap."""
+    from adaptivespec.sglang.serve import VERIFY_BUDGET_ENV
+
+    text = os.environ.get(VERIFY_BUDGET_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise AdaptiveSpecError(f"{VERIFY_BUDGET_ENV}: expected an integer, got {text!r}") from None
+    return value or None
 
 
 def _is_cpu_device(device: Any) -> bool:

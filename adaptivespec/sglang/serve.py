@@ -35,6 +35,9 @@ TRACE_ENV = "ADAPTIVESPEC_SGLANG_TRACE"
 """Environment variable naming a JSON-lines file the plugin appends one record per decode step to
 (``serve --trace``): the step's shape, batch size and accepted drafted tokens."""
 
+VERIFY_BUDGET_ENV = "ADAPTIVESPEC_SGLANG_VERIFY_BUDGET"
+"""Environment variable of ``serve --verify-budget``: the load-aware cap on verified rows per step."""
+
 CPU_PRELOADS = ("libiomp5.so", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtbbmalloc.so.2")
 """Libraries SGLang's CPU recipe preloads (Intel OpenMP from the venv, tcmalloc, TBB's malloc); each
 only where present."""
@@ -264,7 +267,7 @@ def build_command(
 
 
 def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *, device: str | None = None,
-              trace: str | Path | None = None) -> dict[str, str]:
+              trace: str | Path | None = None, verify_budget: int | None = None) -> dict[str, str]:
     """The server's environment: ``ADAPTIVESPEC_CONFIG`` (absolute), and our plugin added to
     ``SGLANG_PLUGINS`` when that whitelist is set (unset, SGLang loads every plugin); on a CPU
     (``device``, default :func:`detect_device`) :func:`cpu_env`'s; ``trace``: the per-step trace
@@ -274,6 +277,8 @@ def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *,
         env = cpu_env(env)
     if trace is not None:
         env[TRACE_ENV] = str(Path(trace).resolve())
+    if verify_budget is not None:
+        env[VERIFY_BUDGET_ENV] = str(verify_budget)
     env[CONFIG_ENV] = str(Path(config_path).resolve())
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
@@ -304,7 +309,7 @@ def serve(args: argparse.Namespace) -> None:
     """Replace this process with the SGLang server (returns only by raising)."""
     refuse_unservable(args.config)
     argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-    env = build_env(args.config, trace=args.trace)
+    env = build_env(args.config, trace=args.trace, verify_budget=args.verify_budget)
     preflight()
     os.execvpe(argv[0], argv, env)
 
@@ -328,6 +333,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="keep SGLang's overlap scheduler (the policy then sees accept lengths one step late)")
     p.add_argument("--trace", metavar="PATH",
                    help="append one JSON line per decode step (shape, batch size, accepted) to PATH")
+    p.add_argument("--verify-budget", type=int, metavar="ROWS",
+                   help="load-aware trees: when batch size x ndt would exceed ROWS verified rows per step, run a "
+                        "smaller bank shape (down to one drafted token); default: no cap")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
@@ -337,7 +345,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One shell line: the plugin's environment variables, then the command."""
-    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
     shown = [f"{k}={shlex.quote(env[k])}" for k in keys if k in env]
     return " ".join(shown + [shlex.join(argv)])
 
@@ -348,7 +356,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.print_command:
         refuse_unservable(args.config)
         argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-        env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"}, trace=args.trace)
+        env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"}, trace=args.trace,
+                        verify_budget=args.verify_budget)
         print(format_command(argv, env))
         return 0
     serve(args)

@@ -42,13 +42,14 @@ def free_port() -> int:
 
 
 def served_command(config: str | Path, port: int, *, trace: str | Path | None = None,
-                   extra_args: Sequence[str] = (), device: str | None = None) -> tuple[list[str], dict[str, str]]:
+                   extra_args: Sequence[str] = (), device: str | None = None,
+                   verify_budget: int | None = None) -> tuple[list[str], dict[str, str]]:
     """argv and environment of ``adaptivespec serve --config CONFIG`` (what the CLI would exec)."""
     from adaptivespec.sglang import serve
 
     serve.refuse_unservable(config)
     argv = serve.build_command(config, port=port, extra_args=list(extra_args), device=device)
-    env = serve.build_env(config, device=device, trace=trace)
+    env = serve.build_env(config, device=device, trace=trace, verify_budget=verify_budget)
     return argv, env
 
 
