@@ -98,6 +98,8 @@ REQUIRED_API: tuple[Api, ...] = (
     Api(_EW, "EAGLEWorkerV2.build_adaptive_runtime_state", "function",
         ("speculative_num_steps", "speculative_num_draft_tokens", "cuda_graph_bs"), why="captures one shape's state"),
     Api(_EW, "EAGLEWorkerV2.apply_runtime_state", "function", ("state",), why="swaps the active shape's state"),
+    Api("sglang.srt.managers.tokenizer_manager", "TokenizerManager._validate_one_request", "function",
+        ("obj", "input_ids"), why="out-of-vocabulary prompt ids are refused there"),
     Api(_EW, "EAGLEWorkerV2._override_worker_state", "function", ("speculative_num_steps", "speculative_num_draft_tokens"),
         why="sets a shape around building its eager state (CPU: no CUDA-graph state)"),
     Api(_EW, "EagleDraftWorker.init_attention_backend", "function", why="the draft backends of an eager state"),

@@ -41,6 +41,7 @@ from adaptivespec.sglang.policy_bridge import (
     TripletController,
     build_strategies,
     format_shapes,
+    step_level_notice,
     wrap_verify,
 )
 from adaptivespec.types import TreeShape
@@ -51,6 +52,7 @@ WORKER_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 DRAFT_TARGET = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 SAMPLE_TARGET = "sglang.srt.speculative.eagle_utils.eagle_sample"
 KV_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode"
+VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 _VERIFYING: contextvars.ContextVar[Any] = contextvars.ContextVar("adaptivespec_verifying", default=None)
 _KV_RESERVE = {"len": 0}  # KV slots per request and decode step covering every bank shape
@@ -97,6 +99,7 @@ def _install(config_path: str) -> None:
     HookRegistry.register(WORKER_TARGET, worker_cls, HookType.REPLACE)
     HookRegistry.register(SAMPLE_TARGET, _eagle_sample_around, HookType.AROUND)
     HookRegistry.register(KV_TARGET, _kv_alloc_len_around, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, _validate_request_around, HookType.AROUND)
 
 
 def _refuse_eagle_worker(message: str) -> None:
@@ -186,6 +189,9 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
                 on_trace=trace.write if trace is not None else None,
                 verify_budget=verify_budget_from_env(),
             )
+            notice = step_level_notice(policy)
+            if notice:
+                logger.warning("adaptivespec: %s", notice)
             bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
             self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
             top = bank.max_shape()
@@ -403,3 +409,18 @@ def _eagle_sample_around(original, *args, **kwargs):
 def _kv_alloc_len_around(original, *args, **kwargs):
     """AROUND hook of ``get_alloc_len_per_decode``: never less than the largest bank shape needs."""
     return max(original(*args, **kwargs), _KV_RESERVE["len"])
+
+
+def _validate_request_around(original, *args, **kwargs):
+    """AROUND hook of the tokenizer manager's request check: token ids outside the vocabulary are
+    refused there (HTTP 400, SGLang's own error path), as SGLang 0.5.23 does for
+    ``token_ids_logprob`` but not for ``input_ids``: an out-of-range prompt id otherwise reaches
+    the embedding in the scheduler and kills the server."""
+    manager = args[0] if args else None
+    input_ids = kwargs.get("input_ids", args[2] if len(args) > 2 else None)
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    if vocab and input_ids:
+        bad = next((t for t in input_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids contains out-of-vocabulary token id {bad}; valid range is [0, {vocab}).")
+    return original(*args, **kwargs)

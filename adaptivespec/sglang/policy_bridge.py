@@ -254,6 +254,25 @@ class TripletController:
         return record
 
 
+TREE_RULES = ("select_level", "select_final", "verify_shape", "observe_tree")
+"""TreePolicy hooks that act inside a step (per draft level, per verified tree): SGLang's EAGLE worker
+drafts a fixed beam per level and verifies its own top-``ndt`` nodes, so these have no place there."""
+
+
+def step_level_notice(policy: TreePolicy) -> str | None:
+    """One line saying which of the policy's in-step rules SGLang cannot run (None: none).
+
+    Such a policy is served by its per-step shape choice alone (``next_shape``): each step drafts
+    SGLang's EAGLE beam at that shape."""
+    own = [r for r in TREE_RULES if getattr(type(policy), r, None) is not getattr(TreePolicy, r)]
+    if not own:
+        return None
+    shapes = format_shapes(policy.shapes())
+    return (f"policy {policy.name!r}: its in-step rules ({', '.join(own)}) have no hook in SGLang's EAGLE worker "
+            f"(a fixed top-k beam per level, top-ndt nodes verified); served by its per-step shape choice among "
+            f"{shapes}")
+
+
 def build_strategies(config, host=None) -> tuple[TreePolicy, Verifier | None]:
     """The config's policy, and its verifier unless it is ``strict`` (then SGLang's own greedy
     kernel verifies: same result, no host round trip). ``config``: :class:`~adaptivespec.config.Config`."""

@@ -315,9 +315,16 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def refuse_unservable(config_path: str | Path) -> None:
+    """Raise for what SGLang cannot serve; print one notice for a policy served by its shape choice only."""
     reason = unservable(config_path)
     if reason:
         raise AdaptiveSpecError(f"cannot serve {reason}")
+    from adaptivespec.config import load_config
+    from adaptivespec.sglang.policy_bridge import step_level_notice
+
+    notice = step_level_notice(build_strategies(load_config(config_path))[0])
+    if notice:
+        print(f"adaptivespec serve: note: {notice}", file=sys.stderr)
 
 
 # -- CLI ------------------------------------------------------------------------------------------
