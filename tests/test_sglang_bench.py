@@ -25,6 +25,13 @@ class FakeServer:
 
     def start(self):
         self.started = True
+        self.paused = False
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
 
     def stop(self):
         self.stopped = True
@@ -33,6 +40,7 @@ class FakeServer:
         self.calls.append("flush")
 
     def generate(self, ids, n, **sampling):
+        assert not self.paused, "a request to a paused server would hang"
         self.calls.append(("generate", len(ids), n, sampling))
         trace = self.env.get("ADAPTIVESPEC_SGLANG_TRACE")
         if trace:
@@ -69,7 +77,9 @@ def test_sglang_peers_run_sglang_alone(peer, algo):
         assert [argv[argv.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
                                                  "--speculative-num-draft-tokens")] == ["3", "4", "8"]
     assert argv[argv.index("--max-total-tokens") + 1] == str(sc.BENCH_KV_TOKENS) and argv.count("--max-total-tokens") == 1
+    assert s.paused  # idle between its generations
     result = c.generate_ids([5, 6, 7], max_new_tokens=6)
+    assert s.paused
     assert s.calls[0] == "flush" and s.calls[1] == ("generate", 3, 6, {})
     assert result.stats["new_tokens"] == 6 and result.stats["tokens_per_second"] == pytest.approx(12.0)
     assert result.stats["target_forwards"] == (2 if algo else 6) and result.records == []

@@ -62,6 +62,7 @@ class SGLangContender:
             self.lossless = config_lossless(config)
         self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log")
         self.server.start()
+        self._pause()
 
     # -- the bench's contender interface ----------------------------------------------------------
     @property
@@ -86,7 +87,21 @@ class SGLangContender:
         return sampling_seed(self.config, index)
 
     def forget(self) -> None:
-        self.server.flush_cache()
+        self._resume()
+        try:
+            self.server.flush_cache()
+        finally:
+            self._pause()
+
+    def _pause(self) -> None:
+        """Idle servers are stopped (SIGSTOP) between their own generations: an idle SGLang
+        scheduler busy-polls and would slow the contender being measured."""
+        if hasattr(self.server, "pause"):
+            self.server.pause()
+
+    def _resume(self) -> None:
+        if hasattr(self.server, "resume"):
+            self.server.resume()
 
     def close(self) -> None:
         self.server.stop()
@@ -101,9 +116,13 @@ class SGLangContender:
                         "sampling_seed": g.seed if seed is None else seed}
         if not g.stop_at_eos:
             sampling["ignore_eos"] = True
-        self.server.flush_cache()
-        before = self._trace_lines()
-        out = self.server.generate(prompt_ids, max_new_tokens, **sampling)
+        self._resume()
+        try:
+            self.server.flush_cache()
+            before = self._trace_lines()
+            out = self.server.generate(prompt_ids, max_new_tokens, **sampling)
+        finally:
+            self._pause()
         meta = out.get("meta_info", {})
         ids = list(out.get("output_ids") or [])
         new = int(meta.get("completion_tokens", len(ids)))

@@ -118,6 +118,7 @@ class SGLangServer:
     def stop(self) -> None:
         p = self.proc
         if p is not None and p.poll() is None:
+            self.resume()  # a paused group would not act on SIGTERM
             for sig, wait in ((signal.SIGTERM, self.grace), (signal.SIGKILL, 10.0)):
                 try:
                     os.killpg(p.pid, sig)
@@ -141,6 +142,16 @@ class SGLangServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def pause(self) -> None:
+        """SIGSTOP the server's process group: an idle SGLang scheduler busy-polls (~15% of a core
+        here), which would slow whichever server a bench is measuring beside it."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
