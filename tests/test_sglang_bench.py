@@ -77,9 +77,8 @@ def test_sglang_peers_run_sglang_alone(peer, algo):
         assert [argv[argv.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-eagle-topk",
                                                  "--speculative-num-draft-tokens")] == ["3", "4", "8"]
     assert argv[argv.index("--max-total-tokens") + 1] == str(sc.BENCH_KV_TOKENS) and argv.count("--max-total-tokens") == 1
-    assert s.paused  # idle between its generations
     result = c.generate_ids([5, 6, 7], max_new_tokens=6)
-    assert s.paused
+    assert s.paused  # idle between its generations
     assert s.calls[0] == "flush" and s.calls[1] == ("generate", 3, 6, {})
     assert result.stats["new_tokens"] == 6 and result.stats["tokens_per_second"] == pytest.approx(12.0)
     assert result.stats["target_forwards"] == (2 if algo else 6) and result.records == []

@@ -61,8 +61,8 @@ class SGLangContender:
 
             self.lossless = config_lossless(config)
         self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log")
-        self.server.start()
-        self._pause()
+        self.server.start()  # paused after its first generation: not while other servers start up
+
 
     # -- the bench's contender interface ----------------------------------------------------------
     @property
