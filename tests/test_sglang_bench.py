@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class FakeServer:
     instances: list["FakeServer"] = []
 
-    def __init__(self, argv, env, log):
+    def __init__(self, argv, env, log, timeout=None):
         self.argv, self.env, self.calls, self.started, self.stopped = argv, env, [], False, False
         FakeServer.instances.append(self)
 

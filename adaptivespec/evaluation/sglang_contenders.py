@@ -60,7 +60,7 @@ class SGLangContender:
             from adaptivespec.evaluation.bench import config_lossless
 
             self.lossless = config_lossless(config)
-        self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log")
+        self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log", timeout=600)
         self.server.start()  # paused after its first generation: not while other servers start up
 
 
