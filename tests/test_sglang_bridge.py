@@ -112,6 +112,29 @@ def test_pending_steps_pair_with_accepts_in_launch_order():
     assert c.observe([3]) is None  # nothing pending
 
 
+def test_load_aware_controller_shrinks_the_tree_as_the_batch_grows():
+    traced = []
+    c = TripletController(StubPolicy(), verify_budget=16, on_trace=lambda r, bs: traced.append((r.shape, bs, r.policy_state)))
+    floor = TreeShape(1, 1, 2)  # one draft step, one drafted token, the bank's smallest topk
+    assert c.shapes == (floor, WIDE, MID, DEEP)
+    assert c.begin_step(probs(0.9)) == DEEP  # bs 1: 8 rows fit 16
+    assert c.begin_step(probs(0.9, 0.9)) == DEEP  # bs 2: 16 rows
+    assert c.begin_step(probs(0.9, 0.9, 0.9)) == WIDE  # bs 3: the largest shape with 3 * ndt <= 16 (4)
+    assert c.begin_step(probs(*[0.9] * 8)) == floor  # bs 8: 16 rows allow ndt 2 only
+    assert c.begin_step(probs(*[0.9] * 9)) == floor  # nothing fits: the smallest
+    for bs in (1, 2, 3, 8, 9):
+        c.observe([0] * bs)
+    assert [bs for _, bs, _ in traced] == [1, 2, 3, 8, 9]
+    assert [s.get("load_capped_from") for _, _, s in traced] == [None, None, str(DEEP), str(DEEP), str(DEEP)]
+    # the policy sees the shape that ran
+    assert [r.shape for r in c.policy.records] == [DEEP, DEEP, WIDE, floor, floor]
+    # no budget: the policy's shape at any batch size
+    free = TripletController(StubPolicy())
+    assert free.shapes == (WIDE, MID, DEEP) and free.begin_step(probs(*[0.9] * 8)) == DEEP
+    with pytest.raises(AdaptiveSpecError, match="verify_budget: expected at least 2"):
+        TripletController(StubPolicy(), verify_budget=1)
+
+
 def test_new_request_resets_the_policy_and_drops_stale_steps():
     policy = StubPolicy()
     c = TripletController(policy)

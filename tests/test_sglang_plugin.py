@@ -301,7 +301,11 @@ def test_entry_point_is_inactive_without_a_config(monkeypatch):
 
 def test_entry_point_fails_loudly_without_the_pinned_api(monkeypatch, config_path):
     if any(m == "sglang" for m in sys.modules):
-        pytest.skip("a real sglang is importable here")
+        pytest.skip("a real sglang is imported in this process")
+    from adaptivespec.sglang import api
+
+    real = api.importlib.util.find_spec  # an installed sglang (scripts/install_sglang_cpu.sh) is hidden
+    monkeypatch.setattr(api.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     monkeypatch.setenv(CONFIG_ENV, config_path)
     with pytest.raises(SGLangAPIError, match=rf"sglang is not installed \(the plugin needs sglang=={SGLANG_VERSION}\)"):
         plugin.register()
@@ -334,11 +338,28 @@ def test_entry_point_registers_the_worker_and_the_two_wrappers(monkeypatch, conf
     monkeypatch.setenv(CONFIG_ENV, config_path)
     plugin.register()
     got = {target: (hook, kind) for target, hook, kind in HookRegistry.hooks}
-    assert set(got) == {plugin.WORKER_TARGET, plugin.DRAFT_TARGET, plugin.SAMPLE_TARGET, plugin.KV_TARGET}
+    assert set(got) == {plugin.WORKER_TARGET, plugin.DRAFT_TARGET, plugin.SAMPLE_TARGET, plugin.KV_TARGET,
+                        plugin.VALIDATE_TARGET}
     assert issubclass(got[plugin.WORKER_TARGET][0], ew.EAGLEWorkerV2) and got[plugin.WORKER_TARGET][1] == "replace"
     assert issubclass(got[plugin.DRAFT_TARGET][0], ew.EagleDraftWorker)
     assert got[plugin.SAMPLE_TARGET] == (plugin._eagle_sample_around, "around")
     assert got[plugin.KV_TARGET] == (plugin._kv_alloc_len_around, "around")
+    assert got[plugin.VALIDATE_TARGET] == (plugin._validate_request_around, "around")
+
+
+def test_out_of_vocabulary_prompt_ids_are_refused_before_the_scheduler():
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+    calls = []
+
+    def original(self, obj, input_ids):
+        calls.append(input_ids)
+
+    plugin._validate_request_around(original, manager, "obj", [1, 99])
+    assert calls == [[1, 99]]
+    for bad in ([1, 100], [-1], [3, "x"]):
+        with pytest.raises(ValueError, match="out-of-vocabulary token id .*valid range is \\[0, 100\\)"):
+            plugin._validate_request_around(original, manager, "obj", bad)
+    assert calls == [[1, 99]]
 
 
 def test_failed_load_makes_the_eagle_worker_refuse_to_start(monkeypatch, config_path):

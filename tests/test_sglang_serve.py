@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -16,6 +17,12 @@ from adaptivespec.sglang.api import SGLANG_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET, DRAFTER = "meta-llama/Llama-3.1-8B-Instruct", "/models/eagle3-llama3.1-8b"
+
+
+@pytest.fixture(autouse=True)
+def cuda_by_default(monkeypatch):
+    """Commands as on a CUDA machine unless a test says ``device="cpu"`` (this one may have no GPU)."""
+    monkeypatch.setattr(serve, "detect_device", lambda: "cuda")
 
 
 @pytest.fixture
@@ -116,7 +123,8 @@ def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
     with pytest.raises(AdaptiveSpecError) as err:
         serve.run_serve(args)
     assert str(err.value) == (f"sglang is not installed; install it on a CUDA machine with: "
-                              f"pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION})")
+                              f"pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
+                              "on a Xeon with AMX: scripts/install_sglang_cpu.sh")
 
 
 def test_serve_checks_the_api_then_execs(config, monkeypatch):
@@ -161,3 +169,65 @@ def test_margin_at_temperature_is_refused(tmp_path, capsys):
     assert main(["serve", "--config", str(path), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no form" in err
+
+
+# -- CPU (SGLang's Intel AMX backend) ---------------------------------------------------------------
+def test_cpu_command_has_device_dtype_and_kv_size(config):
+    argv = serve.build_command(config, TARGET, DRAFTER, device="cpu")
+    assert flag(argv, "--device") == "cpu" and flag(argv, "--dtype") == "bfloat16"
+    assert int(flag(argv, "--max-total-tokens")) >= 8192
+    assert flag(argv, "--host") == "127.0.0.1"
+    # what the user passes after -- wins and is not doubled
+    argv = serve.build_command(config, TARGET, DRAFTER, extra_args=["--max-total-tokens", "4096"], device="cpu")
+    assert argv.count("--max-total-tokens") == 1 and flag(argv, "--max-total-tokens") == "4096"
+
+
+def test_gpu_command_is_unchanged_by_the_cpu_path(config):
+    argv = serve.build_command(config, TARGET, DRAFTER, device="cuda")
+    assert "--device" not in argv and "--dtype" not in argv and "--max-total-tokens" not in argv
+    env = serve.build_env(config, {"PATH": "/bin"}, device="cuda")
+    assert "SGLANG_USE_CPU_ENGINE" not in env and "LD_PRELOAD" not in env
+
+
+def test_cpu_refuses_float32(config):
+    with pytest.raises(AdaptiveSpecError, match="--dtype float32: SGLang's CPU kernels run bfloat16 only"):
+        serve.build_command(config, TARGET, DRAFTER, extra_args=["--dtype", "float32"], device="cpu")
+
+
+def test_kv_tokens_from_the_model_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64, '
+                                          '"hidden_size": 576, "num_attention_heads": 9}')
+    per_token = 30 * 2 * 3 * 64 * 2
+    assert serve.kv_tokens(str(tmp_path), available=20 * (1 << 30)) == (1 << 30) // per_token // 1024 * 1024
+    assert serve.kv_tokens(str(tmp_path), available=1 << 20) == 8192  # floor: one 8k request
+    assert serve.kv_tokens(str(tmp_path / "missing"), available=20 * (1 << 30)) > 8192
+
+
+def test_cpu_env_binds_threads_and_preloads_what_exists(config, monkeypatch):
+    env = serve.build_env(config, {"PATH": "/bin"}, device="cpu", trace="steps.jsonl")
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    cpus = sorted(os.sched_getaffinity(0))
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].split(",")[0].startswith(str(cpus[0]))
+    assert all(Path(p).is_file() for p in env.get("LD_PRELOAD", "").split(":") if p)
+    assert env[serve.TRACE_ENV] == str(Path("steps.jsonl").resolve())
+    kept = serve.build_env(config, {"SGLANG_CPU_OMP_THREADS_BIND": "3", "LD_PRELOAD": ""}, device="cpu")
+    assert kept["SGLANG_CPU_OMP_THREADS_BIND"] == "3" and kept["LD_PRELOAD"] == ""
+    assert serve._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("name,missing", [("hybrid.yaml", "sources [retrieval]"), ("ar.yaml", "model.drafter is null")])
+def test_serve_refuses_what_sglang_cannot_express_in_one_line(name, missing, capsys):
+    cli = pytest.importorskip("adaptivespec.cli")
+    code = cli.main(["serve", "--config", str(ROOT / "configs" / name), "--print-command"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and missing in err and "Traceback" not in err
+
+
+def test_print_command_on_cpu_shows_the_cpu_environment(capsys, monkeypatch):
+    cli = pytest.importorskip("adaptivespec.cli")
+    monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+    code = cli.main(["serve", "--config", str(ROOT / "configs" / "adaptivespec-dynamic.yaml"), "--print-command",
+                     "--trace", "t.jsonl"])
+    out = capsys.readouterr().out
+    assert code == 0 and "SGLANG_USE_CPU_ENGINE=1" in out and "SGLANG_CPU_OMP_THREADS_BIND=" in out
+    assert "--device cpu" in out and "--dtype bfloat16" in out and f"{serve.TRACE_ENV}=" in out

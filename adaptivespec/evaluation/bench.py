@@ -95,6 +95,9 @@ class BenchSpec:
     """Extra table columns, read from each entry's ``sweep`` values (the swept keys)."""
     extra: dict[str, Any] = attrs.field(factory=dict)
     """Added to ``results.json`` (the sweep's parameters)."""
+    backend: str = "torch"
+    """Where the configs run: ``torch`` (adaptivespec's engine) or ``sglang`` (each config served by
+    ``adaptivespec serve``, SGLang with the plugin; :mod:`adaptivespec.evaluation.sglang_contenders`)."""
 
     @property
     def names(self) -> list[str]:
@@ -170,15 +173,34 @@ def sampling_of(config: Config) -> dict[str, Any]:
 def build_contenders(spec: BenchSpec, names: set[str]) -> dict[str, Any]:
     """Contenders for ``names`` (engines load the target once; peers reuse it)."""
     from adaptivespec.evaluation.peers import HfPeer
+    from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, SGLangContender, served_config_file
 
     out: dict[str, Any] = {}
-    for entry in spec.entries:
-        if entry.name in names:
-            out[entry.name] = ConfigContender(entry)
-    for peer in spec.peers:
-        if peer in names:
-            out[peer] = HfPeer(peer, spec.entries[0].config)
+    try:
+        for entry in spec.entries:
+            if entry.name in names:
+                if spec.backend == "sglang":
+                    out[entry.name] = SGLangContender(entry.name, entry.config,
+                                                      config_path=served_config_file(entry.config, entry.name))
+                else:
+                    out[entry.name] = ConfigContender(entry)
+        for peer in spec.peers:
+            if peer in names:
+                if peer in SGLANG_PEERS:
+                    out[peer] = SGLangContender(peer, spec.entries[0].config, peer=peer)
+                else:
+                    out[peer] = HfPeer(peer, spec.entries[0].config)
+    except BaseException:
+        close_contenders(out)
+        raise
     return out
+
+
+def close_contenders(contenders: dict[str, Any]) -> None:
+    """Stop what the contenders started (SGLang servers); the rest have nothing to close."""
+    for c in contenders.values():
+        if hasattr(c, "close"):
+            c.close()
 
 
 def run_one(contender, problem: Problem, index: int, max_new_tokens: int) -> dict[str, Any]:
@@ -220,6 +242,7 @@ def settings_of(spec: BenchSpec, problems: list[Problem]) -> dict[str, Any]:
         "max_new_tokens": spec.max_new_tokens,
         "configs": {e.name: e.config.to_dict() for e in spec.entries},
         "peers": list(spec.peers),
+        **({"backend": spec.backend} if spec.backend != "torch" else {}),
         "reference": spec.reference,
         "problems": [p.id for p in problems],
     })
@@ -293,8 +316,6 @@ def read_records(out: Path, repair: bool = False) -> list[dict[str, Any]]:
 # -- the run -------------------------------------------------------------------------------------------
 def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) ``spec`` on ``problems`` into ``out``; returns the results written there."""
-    from tqdm import tqdm
-
     out = Path(out)
     names = spec.names
     if len(set(names)) != len(names):
@@ -309,31 +330,41 @@ def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, prog
     todo = [(i, p, name) for i, p in enumerate(problems) for name in rotation(names, i) if (name, p.id) not in done]
     if todo:
         contenders = build_contenders(spec, {name for _, _, name in todo})
-        for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
-            c.generate_ids(c.encode(problems[0].prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
-            if hasattr(c, "forget"):
-                c.forget()
-        total = len(problems) * len(names)
-        bar = tqdm(total=total, initial=total - len(todo), desc=f"{spec.command} {spec.dataset}", unit="gen",
-                   file=sys.stderr, dynamic_ncols=True, disable=not progress)
-        with bar, open(out / RECORDS, "a") as sink:
-            saved = total - len(todo)
-            try:
-                for index, problem, name in todo:
-                    record = run_one(contenders[name], problem, index, spec.max_new_tokens)
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    saved += 1
-                    bar.set_postfix_str(f"{name} {record['tokens_per_second']:.1f} tok/s", refresh=False)
-                    bar.update()
-            except KeyboardInterrupt:
-                bar.close()
-                print(f"adaptivespec: {saved} of {total} generations are saved in {out / RECORDS}; "
-                      "rerun the same command to resume", file=sys.stderr)
-                raise
+        try:
+            _run_todo(spec, problems, out, todo, names, contenders, progress)
+        finally:
+            close_contenders(contenders)
     results = summarize(spec, problems, read_records(out))
     write_outputs(results, out, spec.columns)
     return results
+
+
+def _run_todo(spec, problems, out, todo, names, contenders, progress) -> None:
+    """Warm every contender up, then run the pending (prompt, contender) pairs in order."""
+    from tqdm import tqdm
+
+    for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
+        c.generate_ids(c.encode(problems[0].prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
+        if hasattr(c, "forget"):
+            c.forget()
+    total = len(problems) * len(names)
+    bar = tqdm(total=total, initial=total - len(todo), desc=f"{spec.command} {spec.dataset}", unit="gen",
+               file=sys.stderr, dynamic_ncols=True, disable=not progress)
+    with bar, open(out / RECORDS, "a") as sink:
+        saved = total - len(todo)
+        try:
+            for index, problem, name in todo:
+                record = run_one(contenders[name], problem, index, spec.max_new_tokens)
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+                saved += 1
+                bar.set_postfix_str(f"{name} {record['tokens_per_second']:.1f} tok/s", refresh=False)
+                bar.update()
+        except KeyboardInterrupt:
+            bar.close()
+            print(f"adaptivespec: {saved} of {total} generations are saved in {out / RECORDS}; "
+                  "rerun the same command to resume", file=sys.stderr)
+            raise
 
 
 # -- aggregation -----------------------------------------------------------------------------------------
@@ -415,7 +446,7 @@ def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, 
                      **({"sweep": e.sweep} if e.sweep is not None else {})})
     first = spec.entries[0].config
     for p in spec.peers:
-        rows.append({"name": p, "kind": "peer", "lossless": True, "autoregressive": False,
+        rows.append({"name": p, "kind": "peer", "lossless": True, "autoregressive": p == "sglang",
                      "sampling": sampling_of(first), "config": describe_peer(p, first)})
     for row in rows:
         row.update(aggregate(by_name[row["name"]]))

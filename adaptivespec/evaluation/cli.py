@@ -41,7 +41,11 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark configs (and peers) on an evaluation set: speed, accuracy, retention")
     p.add_argument("--configs", nargs="+", required=True, metavar="FILE", help="YAML configs; each is named by its file stem")
     _add_common(p)
-    p.add_argument("--peers", metavar="NAMES", help="comma-separated transformers baselines run alongside: hf-generate, hf-prompt-lookup")
+    p.add_argument("--peers", metavar="NAMES", help="comma-separated baselines run alongside: hf-generate, "
+                   "hf-prompt-lookup (transformers); sglang, sglang-eagle3, sglang-ngram (SGLang servers)")
+    p.add_argument("--backend", choices=("torch", "sglang"), default="torch",
+                   help="run the configs on adaptivespec's torch engine (default) or served by SGLang with the "
+                        "plugin (adaptivespec serve; one server per config, started and stopped by the bench)")
     p.set_defaults(func=run_bench_command)
 
 
@@ -108,7 +112,8 @@ def run_bench_command(args) -> int:
     problems, max_new, overrides = _problems(args)
     entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
     spec = BenchSpec(entries=entries, peers=parse_peers(args.peers), dataset=args.dataset, data=args.data,
-                     limit=args.limit, max_new_tokens=max_new, extra=_selection(args))
+                     limit=args.limit, max_new_tokens=max_new, extra=_selection(args),
+                     backend=getattr(args, "backend", "torch"))
     out = Path(args.out or f"runs/bench-{args.dataset}")
     results = run_bench(spec, problems, out, progress=not args.no_progress)
     return _finish(results, out)

@@ -33,13 +33,17 @@ PEERS: dict[str, dict[str, Any]] = {
 
 
 def parse_peers(text: str | None) -> tuple[str, ...]:
-    """``"hf-generate,hf-prompt-lookup"`` -> the names, checked against :data:`PEERS`."""
+    """``"hf-generate,hf-prompt-lookup"`` -> the names, checked against :data:`PEERS` and the
+    SGLang peers (``sglang``, ``sglang-eagle3``, ``sglang-ngram``: each its own local server)."""
+    from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS
+
     if not text:
         return ()
     names = tuple(n.strip() for n in text.split(",") if n.strip())
+    known = [*PEERS, *SGLANG_PEERS]
     for name in names:
-        if name not in PEERS:
-            raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected a comma-separated list of: {', '.join(PEERS)}")
+        if name not in known:
+            raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected a comma-separated list of: {', '.join(known)}")
     if len(set(names)) != len(names):
         raise AdaptiveSpecError(f"--peers: a peer is named twice in {text!r}")
     return names
@@ -47,6 +51,10 @@ def parse_peers(text: str | None) -> tuple[str, ...]:
 
 def describe_peer(name: str, config: Config) -> dict[str, Any]:
     """What stands in for ``config.to_dict()`` in the results: the peer and the target it runs on."""
+    from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, describe_sglang_peer
+
+    if name in SGLANG_PEERS:
+        return describe_sglang_peer(name, config)
     return {
         "peer": name,
         "model": {"target": config.model.target},

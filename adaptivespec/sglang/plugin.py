@@ -41,6 +41,7 @@ from adaptivespec.sglang.policy_bridge import (
     TripletController,
     build_strategies,
     format_shapes,
+    step_level_notice,
     wrap_verify,
 )
 from adaptivespec.types import TreeShape
@@ -51,6 +52,7 @@ WORKER_TARGET = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 DRAFT_TARGET = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 SAMPLE_TARGET = "sglang.srt.speculative.eagle_utils.eagle_sample"
 KV_TARGET = "sglang.srt.mem_cache.allocation_sizing.get_alloc_len_per_decode"
+VALIDATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 _VERIFYING: contextvars.ContextVar[Any] = contextvars.ContextVar("adaptivespec_verifying", default=None)
 _KV_RESERVE = {"len": 0}  # KV slots per request and decode step covering every bank shape
@@ -97,6 +99,7 @@ def _install(config_path: str) -> None:
     HookRegistry.register(WORKER_TARGET, worker_cls, HookType.REPLACE)
     HookRegistry.register(SAMPLE_TARGET, _eagle_sample_around, HookType.AROUND)
     HookRegistry.register(KV_TARGET, _kv_alloc_len_around, HookType.AROUND)
+    HookRegistry.register(VALIDATE_TARGET, _validate_request_around, HookType.AROUND)
 
 
 def _refuse_eagle_worker(message: str) -> None:
@@ -180,9 +183,15 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             config = load_config(config_path)
             policy, self.adaptivespec_verifier = build_strategies(config, host)
             observe = host.has_observers("adaptivespec_step")
+            trace = StepTrace.from_env()
             self.adaptivespec = TripletController(
-                policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None
+                policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None,
+                on_trace=trace.write if trace is not None else None,
+                verify_budget=verify_budget_from_env(),
             )
+            notice = step_level_notice(policy)
+            if notice:
+                logger.warning("adaptivespec: %s", notice)
             bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
             self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
             top = bank.max_shape()
@@ -223,7 +232,8 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             )
 
         def _adaptivespec_capture(self, shape: TreeShape):
-            """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it."""
+            """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it (on a
+            CPU: an eager state, :meth:`_adaptivespec_eager_state`)."""
             dw, saved = self._draft_worker, self.topk
             self.topk = dw.topk = shape.topk
             get_context().override("adaptivespec.capture", speculative_eagle_topk=shape.topk)
@@ -233,10 +243,37 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
                     ew.speculative_moe_backend_context(),
                     ew.speculative_moe_a2a_backend_context(),
                 ):
+                    if _is_cpu_device(getattr(self, "device", None)):
+                        return self._adaptivespec_eager_state(shape)
                     return self.build_adaptive_runtime_state(shape.nsteps, shape.ndt, cuda_graph_bs=None)
             finally:
                 self.topk = dw.topk = saved
                 get_context().override("adaptivespec.capture_restore", speculative_eagle_topk=saved)
+
+        def _adaptivespec_eager_state(self, shape: TreeShape):
+            """``shape``'s state without graphs: SGLang's CPU attention backend (Intel AMX) has no
+            CUDA-graph state, so ``build_adaptive_runtime_state`` cannot capture one. The draft
+            backends (one per draft step) and the target's verify backend are built for the shape,
+            as that builder does before capturing; every forward then runs eagerly."""
+            dw = self._draft_worker
+            with self._override_worker_state(shape.nsteps, shape.ndt):
+                dw.init_attention_backend()
+                runner = self._target_worker.model_runner
+                backup = runner.init_new_workspace
+                try:
+                    target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
+                finally:
+                    runner.init_new_workspace = backup
+                return SpecRuntimeState(
+                    speculative_num_steps=shape.nsteps,
+                    speculative_num_draft_tokens=shape.ndt,
+                    draft_attn_backend=dw.draft_attn_backend,
+                    cuda_graph_runner=None,
+                    target_attn_backend=target_attn_backend,
+                    target_graph_runner=None,
+                    draft_extend_attn_backend=dw.draft_extend_attn_backend,
+                    cuda_graph_runner_for_draft_extend=None,
+                )
 
         def _adaptivespec_activate(self, shape: TreeShape) -> None:
             if shape == self.adaptivespec_shape:
@@ -277,6 +314,55 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
             self.adaptivespec.observe(num_correct_drafts_per_req)
 
     return AdaptiveSpecDraftWorker, AdaptiveSpecWorker
+
+
+def verify_budget_from_env() -> int | None:
+    """``ADAPTIVESPEC_SGLANG_VERIFY_BUDGET`` (``serve --verify-budget``): verified rows per step
+    (batch size x ndt) past which the controller shrinks the tree; unset or 0: no cap."""
+    from adaptivespec.sglang.serve import VERIFY_BUDGET_ENV
+
+    text = os.environ.get(VERIFY_BUDGET_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise AdaptiveSpecError(f"{VERIFY_BUDGET_ENV}: expected an integer, got {text!r}") from None
+    return value or None
+
+
+def _is_cpu_device(device: Any) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+class StepTrace:
+    """JSON lines, one per observed decode step, appended to the file ``ADAPTIVESPEC_SGLANG_TRACE``
+    names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "bs",
+    "accepted", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the batch as the
+    policy sees it). Line-buffered: a reader sees every finished step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> "StepTrace | None":
+        from adaptivespec.sglang.serve import TRACE_ENV
+
+        path = os.environ.get(TRACE_ENV, "").strip()
+        return cls(path) if path else None
+
+    def write(self, record, batch_size: int) -> None:
+        import json
+
+        s = record.shape
+        line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
+                "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+        self._file.write(json.dumps(line) + "\n")
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _warn_once(message: str) -> None:
@@ -323,3 +409,18 @@ def _eagle_sample_around(original, *args, **kwargs):
 def _kv_alloc_len_around(original, *args, **kwargs):
     """AROUND hook of ``get_alloc_len_per_decode``: never less than the largest bank shape needs."""
     return max(original(*args, **kwargs), _KV_RESERVE["len"])
+
+
+def _validate_request_around(original, *args, **kwargs):
+    """AROUND hook of the tokenizer manager's request check: token ids outside the vocabulary are
+    refused there (HTTP 400, SGLang's own error path), as SGLang 0.5.23 does for
+    ``token_ids_logprob`` but not for ``input_ids``: an out-of-range prompt id otherwise reaches
+    the embedding in the scheduler and kills the server."""
+    manager = args[0] if args else None
+    input_ids = kwargs.get("input_ids", args[2] if len(args) > 2 else None)
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    if vocab and input_ids:
+        bad = next((t for t in input_ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids contains out-of-vocabulary token id {bad}; valid range is [0, {vocab}).")
+    return original(*args, **kwargs)

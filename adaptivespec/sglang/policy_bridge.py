@@ -64,6 +64,14 @@ def sglang_shape_problem(shape: TreeShape) -> str | None:
     return None
 
 
+def load_floor_shape(shapes: Iterable[TreeShape]) -> TreeShape:
+    """The smallest tree a load-aware controller falls back to under a large batch: one draft
+    step, one drafted token verified (``ndt = 2``), at the bank's smallest ``topk`` (SGLang's EAGLE
+    worker cannot skip drafting; this is the least speculation it runs)."""
+    k = min(s.topk for s in shapes)
+    return TreeShape(1, k, 2)
+
+
 def _reduce(values: Sequence[float], how: str) -> float:
     if how == "min":
         return min(values)
@@ -92,6 +100,7 @@ class _PendingStep:
     shape: TreeShape
     signals: StepSignals
     policy_state: dict[str, Any]
+    batch_size: int = 1
     promoted: list[int] | None = None
 
 
@@ -121,10 +130,17 @@ class TripletController:
         *,
         batch_reduce: str = "mean",
         on_record: Callable[[StepRecord], None] | None = None,
+        on_trace: Callable[[StepRecord, int], None] | None = None,
+        verify_budget: int | None = None,
     ) -> None:
         if batch_reduce not in BATCH_REDUCERS:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
-        shapes = tuple(sorted(set(policy.shapes())))
+        if verify_budget is not None and verify_budget < 2:
+            raise AdaptiveSpecError(f"verify_budget: expected at least 2 verified rows per step, got {verify_budget}")
+        own = set(policy.shapes())
+        if verify_budget is not None and own:
+            own.add(load_floor_shape(own))
+        shapes = tuple(sorted(own))
         if not shapes:
             raise AdaptiveSpecError(f"policy {policy.name!r} declares no tree shapes")
         problems = [p for p in map(sglang_shape_problem, shapes) if p]
@@ -134,6 +150,8 @@ class TripletController:
         self.shapes = shapes
         self.batch_reduce = batch_reduce
         self.on_record = on_record
+        self.on_trace = on_trace
+        self.verify_budget = verify_budget
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0
@@ -172,9 +190,28 @@ class TripletController:
                 f"policy {self.policy.name!r} chose {shape}, which is not among the shapes it declared "
                 f"(and that were captured): {format_shapes(self.shapes)}"
             )
-        self._pending.append(_PendingStep(self._step, self._epoch, shape, signals, dict(self.policy.state())))
+        bs = int(topk_p.shape[0])
+        state = dict(self.policy.state())
+        run = self.fit_load(shape, bs)
+        if run != shape:
+            state["load_capped_from"] = str(shape)
+        self._pending.append(_PendingStep(self._step, self._epoch, run, signals, state, batch_size=bs))
         self._step += 1
-        return shape
+        return run
+
+    def fit_load(self, shape: TreeShape, batch_size: int) -> TreeShape:
+        """The shape to run for a batch of ``batch_size``: the policy's ``shape`` while the verify
+        forward's rows (``batch_size * ndt``) fit ``verify_budget``; else the bank's largest shape
+        that fits (the deepest of those), else the smallest (:func:`load_floor_shape`). Past the
+        budget the target's forward is compute-bound and every extra verified row costs as much as
+        a plain decoding token (measured: docs/serving.md, "Batch > 1")."""
+        budget = self.verify_budget
+        if budget is None or batch_size * shape.ndt <= budget:
+            return shape
+        fits = [s for s in self.shapes if batch_size * s.ndt <= budget and s.ndt <= shape.ndt]
+        if fits:
+            return max(fits, key=lambda s: (s.ndt, s.nsteps, -s.topk))
+        return min(self.shapes, key=lambda s: (s.ndt, s.nsteps * s.topk))
 
     def note_promoted(self, promoted_per_request: Sequence[int]) -> None:
         """Promoted (lossy-accepted) tokens per request of the newest step, from the verifier."""
@@ -212,7 +249,28 @@ class TripletController:
         self.last_record = record
         if self.on_record is not None:
             self.on_record(record)
+        if self.on_trace is not None:
+            self.on_trace(record, p.batch_size)
         return record
+
+
+TREE_RULES = ("select_level", "select_final", "verify_shape", "observe_tree")
+"""TreePolicy hooks that act inside a step (per draft level, per verified tree): SGLang's EAGLE worker
+drafts a fixed beam per level and verifies its own top-``ndt`` nodes, so these have no place there."""
+
+
+def step_level_notice(policy: TreePolicy) -> str | None:
+    """One line saying which of the policy's in-step rules SGLang cannot run (None: none).
+
+    Such a policy is served by its per-step shape choice alone (``next_shape``): each step drafts
+    SGLang's EAGLE beam at that shape."""
+    own = [r for r in TREE_RULES if getattr(type(policy), r, None) is not getattr(TreePolicy, r)]
+    if not own:
+        return None
+    shapes = format_shapes(policy.shapes())
+    return (f"policy {policy.name!r}: its in-step rules ({', '.join(own)}) have no hook in SGLang's EAGLE worker "
+            f"(a fixed top-k beam per level, top-ndt nodes verified); served by its per-step shape choice among "
+            f"{shapes}")
 
 
 def build_strategies(config, host=None) -> tuple[TreePolicy, Verifier | None]:

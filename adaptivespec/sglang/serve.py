@@ -28,7 +28,142 @@ from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
 from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies
 from adaptivespec.types import TreeShape
 
-INSTALL_HINT = f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION})"
+INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
+                "on a Xeon with AMX: scripts/install_sglang_cpu.sh")
+
+TRACE_ENV = "ADAPTIVESPEC_SGLANG_TRACE"
+"""Environment variable naming a JSON-lines file the plugin appends one record per decode step to
+(``serve --trace``): the step's shape, batch size and accepted drafted tokens."""
+
+VERIFY_BUDGET_ENV = "ADAPTIVESPEC_SGLANG_VERIFY_BUDGET"
+"""Environment variable of ``serve --verify-budget``: the load-aware cap on verified rows per step."""
+
+CPU_PRELOADS = ("libiomp5.so", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtbbmalloc.so.2")
+"""Libraries SGLang's CPU recipe preloads (Intel OpenMP from the venv, tcmalloc, TBB's malloc); each
+only where present."""
+
+KV_BUDGET_BYTES = 1 << 30
+"""At most this much memory (and 5% of the available memory) for the CPU server's KV cache."""
+
+
+def detect_device() -> str:
+    """``cuda`` when torch sees a CUDA device, else ``cpu`` (SGLang's Intel AMX backend)."""
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU speculative path needs it."""
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
+
+
+def kv_tokens(target: str, available: int | None = None, budget: int = KV_BUDGET_BYTES) -> int:
+    """``--max-total-tokens`` for a CPU server: the KV cache of ``target`` (a folder with a
+    ``config.json``; bf16 K and V of every layer) in min(``budget``, 5% of the available memory),
+    in multiples of 1024, at least 8192 (what one 8k-context request needs) and at most 262144.
+    Without it SGLang sizes the cache as for a GPU (18 GB for the embedded model)."""
+    import json
+
+    per_token = 30 * 2 * 3 * 64 * 2  # the embedded model's, when the folder cannot be read
+    try:
+        c = json.loads((Path(target) / "config.json").read_text())
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+        per_token = c["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        pass
+    avail = _available_memory() if available is None else available
+    tokens = min(budget, avail // 20) // per_token // 1024 * 1024
+    return max(8192, min(tokens, 262144))
+
+
+def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
+    """The flags a CPU server needs (those the user already passes after ``--`` are left out):
+    ``--device cpu``, ``--dtype bfloat16`` (the draft otherwise runs float16 against a bf16 target
+    and the AMX GEMM refuses the mix) and ``--max-total-tokens`` (:func:`kv_tokens`)."""
+    given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
+    for i, a in enumerate(extra_args):
+        value = a.split("=", 1)[1] if a.startswith("--dtype=") else (
+            extra_args[i + 1] if a == "--dtype" and i + 1 < len(extra_args) else None)
+        if value in ("float32", "float"):
+            raise AdaptiveSpecError(f"--dtype {value}: SGLang's CPU kernels run bfloat16 only (their RMSNorm has no "
+                                    "float32 kernel); drop --dtype, serve picks bfloat16")
+    out: list[str] = []
+    for flag, value in (("--device", "cpu"), ("--dtype", "bfloat16"), ("--max-total-tokens", None)):
+        if flag not in given:
+            out += [flag, value if value is not None else str(kv_tokens(target))]
+    return out
+
+
+def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What SGLang's CPU engine reads: ``SGLANG_USE_CPU_ENGINE=1``, OpenMP threads bound to this
+    process's CPUs (``SGLANG_CPU_OMP_THREADS_BIND``), and ``LD_PRELOAD`` of Intel OpenMP, tcmalloc
+    and tbbmalloc where present. Values already in ``base`` are kept."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in env:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = _ranges(cpus)
+    if "LD_PRELOAD" not in env:
+        prefix = Path(sys.prefix) / "lib"
+        libs = [str(prefix / p) if "/" not in p else p for p in CPU_PRELOADS]
+        present = [p for p in libs if Path(p).is_file()]
+        if present:
+            env["LD_PRELOAD"] = ":".join(present)
+    return env
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts: list[str] = []
+    start = prev = None
+    for c in cpus:
+        if start is None:
+            start = prev = c
+        elif c == prev + 1:
+            prev = c
+        else:
+            parts.append(f"{start}-{prev}" if start != prev else str(start))
+            start = prev = c
+    if start is not None:
+        parts.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(parts)
+
+
+def unservable(config_path: str | Path) -> str | None:
+    """What in the config SGLang's EAGLE-3 worker cannot run, as one sentence (None: servable).
+
+    Candidate sources (``sources:``, e.g. ``retrieval``) add nodes to the drafted tree: SGLang builds
+    its tree from the head's beam only, in its tree kernel, so they have no place there. Verifiers
+    run through the plugin's ``eagle_sample`` hook (greedy batches)."""
+    from adaptivespec.config import load_config
+
+    config = load_config(config_path)
+    if config.autoregressive:
+        return (f"{config_path}: model.drafter is null (autoregressive): serve runs SGLang's EAGLE-3 worker; "
+                "serve plain decoding with python -m sglang.launch_server")
+    if config.sources:
+        names = ", ".join(s.name for s in config.sources)
+        return (f"{config_path}: sources [{names}]: SGLang's EAGLE-3 worker builds its tree from the draft head's "
+                "beam only (no candidate-source hook); serve without sources (e.g. configs/cost-aware.yaml)")
+    return None
 
 
 def bank_shapes(config_path: str | Path) -> tuple[tuple[TreeShape, ...], TreeShape]:
@@ -100,12 +235,15 @@ def build_command(
     *,
     overlap: bool = False,
     python: str | None = None,
+    device: str | None = None,
 ) -> list[str]:
     """argv of the SGLang server (``target`` / ``drafter`` default to the config's ``model``).
 
     ``overlap=False`` adds ``--disable-overlap-schedule``: the policy then sees each step's accept
     length before it picks the next shape, as in the paper (the shape choice reads the draft's
     top-1 probability on the host every step anyway). ``extra_args`` go last, verbatim.
+    ``device``: ``cuda`` or ``cpu`` (default: :func:`detect_device`); on ``cpu`` the flags of
+    :func:`cpu_args` come before ``extra_args``.
     """
     _, top = bank_shapes(config_path)
     target, drafter = _model_paths(config_path, target, drafter)
@@ -123,13 +261,24 @@ def build_command(
     ]
     if not overlap:
         argv.append("--disable-overlap-schedule")
+    if (device or detect_device()) == "cpu":
+        argv += cpu_args(target, extra_args)
     return argv + sampling + list(extra_args)
 
 
-def build_env(config_path: str | Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *, device: str | None = None,
+              trace: str | Path | None = None, verify_budget: int | None = None) -> dict[str, str]:
     """The server's environment: ``ADAPTIVESPEC_CONFIG`` (absolute), and our plugin added to
-    ``SGLANG_PLUGINS`` when that whitelist is set (unset, SGLang loads every plugin)."""
+    ``SGLANG_PLUGINS`` when that whitelist is set (unset, SGLang loads every plugin); on a CPU
+    (``device``, default :func:`detect_device`) :func:`cpu_env`'s; ``trace``: the per-step trace
+    file (:data:`TRACE_ENV`)."""
     env = dict(os.environ if base is None else base)
+    if (device or detect_device()) == "cpu":
+        env = cpu_env(env)
+    if trace is not None:
+        env[TRACE_ENV] = str(Path(trace).resolve())
+    if verify_budget is not None:
+        env[VERIFY_BUDGET_ENV] = str(verify_budget)
     env[CONFIG_ENV] = str(Path(config_path).resolve())
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
@@ -137,8 +286,12 @@ def build_env(config_path: str | Path, base: Mapping[str, str] | None = None) ->
     return env
 
 
-def preflight() -> None:
-    """Fail in one line unless the installed SGLang is there and has the API the plugin needs."""
+def preflight(device: str | None = None) -> None:
+    """Fail in one line unless the installed SGLang is there and has the API the plugin needs
+    (and, on a CPU, the CPU has AMX)."""
+    if (device or detect_device()) == "cpu" and not cpu_has_amx():
+        raise AdaptiveSpecError("no CUDA device and this CPU has no AMX (amx_bf16 in /proc/cpuinfo): SGLang's CPU "
+                                "backend runs speculative decoding only with AMX; serve on a CUDA machine")
     if importlib.util.find_spec("sglang") is None:
         raise AdaptiveSpecError(f"sglang is not installed; {INSTALL_HINT}")
     problems = check_api()
@@ -154,15 +307,30 @@ def preflight() -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """Replace this process with the SGLang server (returns only by raising)."""
+    refuse_unservable(args.config)
     argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-    env = build_env(args.config)
+    env = build_env(args.config, trace=args.trace, verify_budget=args.verify_budget)
     preflight()
     os.execvpe(argv[0], argv, env)
 
 
+def refuse_unservable(config_path: str | Path) -> None:
+    """Raise for what SGLang cannot serve; print one notice for a policy served by its shape choice only."""
+    reason = unservable(config_path)
+    if reason:
+        raise AdaptiveSpecError(f"cannot serve {reason}")
+    from adaptivespec.config import load_config
+    from adaptivespec.sglang.policy_bridge import step_level_notice
+
+    notice = step_level_notice(build_strategies(load_config(config_path))[0])
+    if notice:
+        print(f"adaptivespec serve: note: {notice}", file=sys.stderr)
+
+
 # -- CLI ------------------------------------------------------------------------------------------
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="run SGLang's server with the config's tree policy and verifier (CUDA)")
+    p = subparsers.add_parser("serve", help="run SGLang's server with the config's tree policy and verifier "
+                                            "(CUDA, or a CPU with AMX)")
     p.add_argument("--config", required=True, help="YAML config (its policy and verifier are served)")
     p.add_argument("--target", help="target model folder or Hugging Face id (default: the config's model.target)")
     p.add_argument("--drafter", help="EAGLE-3 drafter folder or Hugging Face id (default: the config's model.drafter)")
@@ -170,6 +338,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
     p.add_argument("--overlap", action="store_true",
                    help="keep SGLang's overlap scheduler (the policy then sees accept lengths one step late)")
+    p.add_argument("--trace", metavar="PATH",
+                   help="append one JSON line per decode step (shape, batch size, accepted) to PATH")
+    p.add_argument("--verify-budget", type=int, metavar="ROWS",
+                   help="load-aware trees: when batch size x ndt would exceed ROWS verified rows per step, run a "
+                        "smaller bank shape (down to one drafted token); default: no cap")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
@@ -179,7 +352,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One shell line: the plugin's environment variables, then the command."""
-    shown = [f"{k}={shlex.quote(env[k])}" for k in (CONFIG_ENV, "SGLANG_PLUGINS") if k in env]
+    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+    shown = [f"{k}={shlex.quote(env[k])}" for k in keys if k in env]
     return " ".join(shown + [shlex.join(argv)])
 
 
@@ -187,8 +361,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.sglang_args and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
     if args.print_command:
+        refuse_unservable(args.config)
         argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-        env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"})
+        env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"}, trace=args.trace,
+                        verify_budget=args.verify_budget)
         print(format_command(argv, env))
         return 0
     serve(args)

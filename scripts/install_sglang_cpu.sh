@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Add SGLang's CPU (Intel AMX) backend to the active venv from the prebuilt wheels.
+#
+#   scripts/install_sglang_cpu.sh            # inside an activated venv with torch 2.13.0+cpu
+#
+# Wheel folder: $ADAPTIVESPEC_SGLANG_WHEELS, else <repo>/../shared/sglang-cpu, else
+# /work/shared/sglang-cpu. Idempotent: re-running with everything in place only checks.
+# Exits 0 with one line saying why when there is nothing to install here (no wheel folder, or a
+# CPU without AMX, where SGLang's CPU backend cannot run speculative decoding): CI must not fail
+# for that; the real-server tests skip with the same reason.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+
+if [ "$(grep -c amx_bf16 /proc/cpuinfo 2>/dev/null || true)" = "0" ] || ! grep -q amx_bf16 /proc/cpuinfo 2>/dev/null; then
+    echo "install_sglang_cpu: skipped: this CPU has no AMX (amx_bf16 not in /proc/cpuinfo); SGLang's CPU backend needs it"
+    exit 0
+fi
+wheels=""
+for d in "${ADAPTIVESPEC_SGLANG_WHEELS:-}" "$repo/../shared/sglang-cpu" /work/shared/sglang-cpu; do
+    if [ -n "$d" ] && ls "$d"/sglang-0.5.23-*.whl >/dev/null 2>&1 && ls "$d"/sglang_kernel_cpu-*.whl >/dev/null 2>&1; then
+        wheels="$(cd "$d" && pwd)"; break
+    fi
+done
+if [ -z "$wheels" ]; then
+    echo "install_sglang_cpu: skipped: no SGLang CPU wheel folder (set ADAPTIVESPEC_SGLANG_WHEELS, or provide ../shared/sglang-cpu)"
+    exit 0
+fi
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+    echo "install_sglang_cpu: error: activate the venv first (. .venv/bin/activate)" >&2
+    exit 2
+fi
+torch_version="$(python -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)"
+case "$torch_version" in
+    2.13.0*) ;;
+    *) echo "install_sglang_cpu: error: the venv has torch $torch_version; the kernel wheel needs torch 2.13.0 (+cpu)" >&2; exit 2 ;;
+esac
+
+# System libraries: libnuma (kernels), numactl, tcmalloc and tbbmalloc (LD_PRELOAD at launch).
+missing=()
+for pkg in libnuma-dev numactl google-perftools libtbb-dev; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+        apt="apt-get -o DPkg::Lock::Timeout=600 -y -q"  # another install may hold the dpkg lock: wait for it
+        ($apt install "${missing[@]}" >/dev/null 2>&1 || { $apt update >/dev/null 2>&1 && $apt install "${missing[@]}" >/dev/null; }) \
+            || echo "install_sglang_cpu: warning: apt-get could not install ${missing[*]}; the server runs without the preloads"
+    else
+        echo "install_sglang_cpu: warning: missing system packages ${missing[*]} (install them as root); the server runs without the preloads"
+    fi
+fi
+
+# Python side: pin torch so pip can never swap it for a CUDA build.
+pin="$(mktemp)"; trap 'rm -f "$pin"' EXIT
+echo "torch==$torch_version" > "$pin"
+if python - <<'PY' 2>/dev/null
+import importlib.metadata as m, sys
+ok = m.version("sglang") == "0.5.23" and m.version("sglang-kernel-cpu").startswith("0.4") and m.version("torchvision") == "0.28.0"
+sys.exit(0 if ok else 1)
+PY
+then
+    echo "install_sglang_cpu: sglang 0.5.23 + CPU kernels already installed"
+else
+    pip install -q --no-warn-conflicts -c "$pin" "$wheels"/sglang_kernel_cpu-*.whl
+    pip install -q --no-warn-conflicts --no-deps "$wheels"/sglang-0.5.23-*.whl
+    pip install -q --no-warn-conflicts -c "$pin" -r "$wheels/requirements-cpu.txt"
+    pip install -q --no-warn-conflicts --no-deps torchvision==0.28.0
+fi
+# sglang imports torchvision; PyPI's torchvision is a CUDA build whose two fake-op registrations
+# fail without its CUDA ops: guard them (a no-op when already guarded).
+tv="$(python -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py"
+sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$tv"
+python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__; import sglang, sgl_kernel; print("install_sglang_cpu: ready: sglang", sglang.__version__, "torch", torch.__version__)'

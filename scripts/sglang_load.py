@@ -1,0 +1,150 @@
+"""Batch > 1 through SGLang: total tokens/s and per-request latency at several concurrency levels.
+
+For each contender, one local SGLang server is started (loopback), warmed up, then at each
+concurrency level C the same Spec-Bench prompts are sent by C client threads at once (each thread
+sends its next prompt as soon as its previous one finishes, greedy, ``--max-new-tokens`` each); the
+prefix cache is flushed before each level. Contenders run one after another (one server alive at a
+time), levels in the order given::
+
+    python scripts/sglang_load.py --out runs/load --per-category 2 --max-new-tokens 96 \\
+        --levels 1,2,4,8 --contenders sglang,sglang-eagle3,configs/adaptivespec-dynamic.yaml,\\
+        configs/adaptivespec-dynamic.yaml@16
+
+A contender is ``sglang`` / ``sglang-eagle3`` / ``sglang-ngram`` (SGLang alone) or a config file
+served through the plugin (``adaptivespec serve``); ``CONFIG@ROWS`` serves it load-aware, with
+``--verify-budget ROWS``. Writes ``OUT/load.json`` (every request's tokens and latency, the plugin's
+per-step trace summary: shapes per batch size) and ``OUT/load.md`` (the table). Run it alone on the
+machine (``flock -x /tmp/cpu.lock``): a second heavy process skews every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def prompts(per_category: int, tokenizer) -> list[tuple[str, list[int]]]:
+    from adaptivespec.evaluation.categories import select
+    from adaptivespec.evaluation.datasets import load_dataset
+    from adaptivespec.models import encode_prompt
+
+    problems = select(load_dataset("specbench", None, None), None, per_category, "specbench")
+    return [(p.category if hasattr(p, "category") else "", encode_prompt(tokenizer, p.prompt)) for p in problems]
+
+
+def server_for(contender: str, port: int, logdir: Path):
+    from adaptivespec.sglang.server import PEER_MODES, SGLangServer, peer_command, served_command
+
+    trace = None
+    if contender in PEER_MODES:
+        argv, env = peer_command(contender, port, extra_args=["--max-total-tokens", "32768"])
+    else:
+        config, _, budget = contender.partition("@")
+        trace = logdir / f"{Path(config).stem}{'-' + budget if budget else ''}.steps.jsonl"
+        argv, env = served_command(config, port, trace=trace, extra_args=["--max-total-tokens", "32768"],
+                                   verify_budget=int(budget) if budget else None)
+    name = contender.replace("/", "_")
+    return SGLangServer(argv, env, logdir / f"{name}.log", timeout=400), trace
+
+
+def run_level(server, jobs: list[list[int]], concurrency: int, max_new: int) -> dict:
+    queue = collections.deque(enumerate(jobs))
+    results: list[dict] = []
+
+    def worker():
+        while True:
+            try:
+                i, ids = queue.popleft()
+            except IndexError:
+                return
+            out = server.generate(ids, max_new, timeout=900)
+            results.append({"prompt": i, "new_tokens": out["meta_info"]["completion_tokens"],
+                            "latency_s": out["wall_seconds"],
+                            "verify_steps": out["meta_info"].get("spec_verify_ct")})
+
+    server.flush_cache()
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(worker) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    tokens = sum(r["new_tokens"] for r in results)
+    lat = sorted(r["latency_s"] for r in results)
+    return {"concurrency": concurrency, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "latency_mean_s": statistics.mean(lat), "latency_p90_s": lat[min(len(lat) - 1, int(0.9 * len(lat)))],
+            "requests": sorted(results, key=lambda r: r["prompt"])}
+
+
+def trace_summary(path: Path | None, skip: int) -> dict:
+    if path is None or not path.exists():
+        return {}
+    steps = [json.loads(line) for line in path.read_text().splitlines()[skip:] if line.strip()]
+    by_bs: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for s in steps:
+        by_bs[s["bs"]][str(tuple(s["shape"]))] += 1
+    return {"steps": len(steps), "capped": sum(1 for s in steps if s["policy"].get("load_capped_from")),
+            "shapes_by_batch": {str(k): dict(v.most_common()) for k, v in sorted(by_bs.items())}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contenders", required=True)
+    ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from adaptivespec.models import embedded_folder
+    from adaptivespec.sglang.server import free_port
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(embedded_folder()))
+    jobs = [ids for _, ids in prompts(args.per_category, tok)]
+    levels = [int(x) for x in args.levels.split(",")]
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv), "prompts": len(jobs), "max_new_tokens": args.max_new_tokens,
+              "levels": levels, "results": {}}
+    logdir = Path(tempfile.mkdtemp(prefix="sglang-load-"))
+    for contender in args.contenders.split(","):
+        server, trace = server_for(contender, free_port(), logdir)
+        rows = []
+        with server:
+            server.generate(jobs[0], 8)  # warm-up, untimed
+            for c in levels:
+                skip = len(trace.read_text().splitlines()) if trace is not None and trace.exists() else 0
+                row = run_level(server, jobs, c, args.max_new_tokens)
+                row["trace"] = trace_summary(trace, skip)
+                rows.append(row)
+                print(f"{contender} c={c}: {row['tokens_per_s']:.1f} tok/s, latency mean {row['latency_mean_s']:.2f} s"
+                      f" p90 {row['latency_p90_s']:.2f} s {row['trace'].get('shapes_by_batch', '')}", flush=True)
+        report["results"][contender] = rows
+        (out / "load.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# SGLang under load: {len(jobs)} Spec-Bench prompts x {args.max_new_tokens} new tokens, greedy",
+             "", f"{report['date']} · `{report['command']}`", "",
+             "| contender | " + " | ".join(f"c={c} tok/s (mean / p90 latency s)" for c in levels) + " |",
+             "|---|" + "---:|" * len(levels)]
+    for name, rows in report["results"].items():
+        cells = [f"{r['tokens_per_s']:.1f} ({r['latency_mean_s']:.2f} / {r['latency_p90_s']:.2f})" for r in rows]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    (out / "load.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
