@@ -153,7 +153,7 @@ class CostAwarePolicy(TreePolicy):
     Params = CostAwareParams
     eagle_beam = True
     """Every level's beam is EAGLE's top-k (drafting may stop early, a subset is verified): its trees
-    are sub-trees of EAGLE's full tree, so ``scripts/shape_oracle.py`` can replay it on those."""
+    are sub-trees of EAGLE's full tree, so ``adaptivespec/analysis/shape_oracle.py`` can replay it on those."""
 
     def __init__(self, params: CostAwareParams | None = None) -> None:
         super().__init__(params)
