@@ -7,7 +7,7 @@ the share of steps accepting 3 or more, and the policy's continuation rates by d
 
 ``--data``: Spec-Bench-format JSON lines (``adaptivespec.analysis.heldout_mix_set`` writes them; order matters:
 it is the order the engine sees). A continuation rate that falls on one kind of prompt and stays
-there while later prompts accept at most ``d`` tokens is the trap the README's "Known problem"
+there while later prompts accept at most ``d`` tokens is the trap docs/tuning.md's "Known problem"
 describes.
 """
 
