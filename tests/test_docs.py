@@ -90,7 +90,7 @@ def test_site_builds_strict(tmp_path):
         pytest.importorskip(module, reason='the docs tools: pip install -e ".[docs]"')
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                           "-d", str(tmp_path / "site")], capture_output=True, text=True, env=env, timeout=300)
+                           "-d", str(tmp_path / "site")], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
     assert "kappa" in page and "breaker_steps" in page and "max_new_tokens" in page and "<table>" in page
