@@ -127,14 +127,14 @@ class CostAwareParams:
     (``n`` the decayed count behind ``p``), not with ``p`` itself. A depth the rule stopped drafting
     gets no new evidence, so its count decays and the bound widens until the level is tried again;
     0 (the default) prices with ``p`` alone, where a rate pulled down by one kind of prompt can stay
-    down (README, "Known problem"). 1.0 tied 0 on held-out training prompts (README), so it is off."""
+    down (docs/tuning.md, "Known problem"). 1.0 tied 0 on held-out training prompts (docs/tuning.md), so it is off."""
 
     cont_prior: float = attrs.field(default=0.0, validator=number_in(0, None))
     """Pseudo-observations of a continuation rate of 1/2 that do not decay, added at every depth to
     the decayed counts (as ``prior_weight`` does for the calibration map). A depth the level rule
     stopped drafting then drifts back toward 1/2 as its old evidence decays, instead of keeping the
-    ratio it had (README, "Known problem"); 0 (the default): the initial 2-of-4 decays with the rest.
-    4 and 16 tied 0 on held-out training prompts, in an order that forms the trap too (README), so it is off."""
+    ratio it had (docs/tuning.md, "Known problem"); 0 (the default): the initial 2-of-4 decays with the rest.
+    4 and 16 tied 0 on held-out training prompts, in an order that forms the trap too (docs/tuning.md), so it is off."""
 
     def __attrs_post_init__(self) -> None:
         top = max(self.buckets)
@@ -153,7 +153,7 @@ class CostAwarePolicy(TreePolicy):
     Params = CostAwareParams
     eagle_beam = True
     """Every level's beam is EAGLE's top-k (drafting may stop early, a subset is verified): its trees
-    are sub-trees of EAGLE's full tree, so ``scripts/shape_oracle.py`` can replay it on those."""
+    are sub-trees of EAGLE's full tree, so ``adaptivespec/analysis/shape_oracle.py`` can replay it on those."""
 
     def __init__(self, params: CostAwareParams | None = None) -> None:
         super().__init__(params)

@@ -1,16 +1,15 @@
-"""scripts/cost_aware_trace.py: one cost_aware engine over prompts in order, its learned state after each."""
+"""adaptivespec.analysis.cost_aware_trace: one cost_aware engine over prompts in order, its learned state after each."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("cost_aware_trace", Path(__file__).parents[1] / "scripts" / "cost_aware_trace.py")
-cost_aware_trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cost_aware_trace)
+from adaptivespec.analysis import cost_aware_trace
+
+CONFIG = Path(__file__).parents[1] / "configs" / "cost-aware.yaml"
 
 ROWS = [{"question_id": "a", "category": "mix:math", "turns": ["What is 12 times 7? Answer briefly."]},
         {"question_id": "b", "category": "mix:code", "turns": ["Write a Python function that adds two numbers."]}]
@@ -19,7 +18,7 @@ ROWS = [{"question_id": "a", "category": "mix:math", "turns": ["What is 12 times
 def test_the_trace_follows_one_engine_across_prompts(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    assert cost_aware_trace.main(["--data", str(data), "--max-new-tokens", "12", "--set", "runtime.dtype=float32"]) == 0
+    assert cost_aware_trace.main(["--data", str(data), "--config", str(CONFIG), "--max-new-tokens", "12", "--set", "runtime.dtype=float32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and lines[0].startswith("mix:math") and lines[1].startswith("mix:code")
     assert lines[2].startswith("pooled tau") and "target forwards" in lines[2]
@@ -27,7 +26,7 @@ def test_the_trace_follows_one_engine_across_prompts(tmp_path, capsys):
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
 
-    engine = Engine(load_config(str(cost_aware_trace.ROOT / "configs" / "cost-aware.yaml"), ["runtime.dtype=float32"]))
+    engine = Engine(load_config(str(CONFIG), ["runtime.dtype=float32"]))
     first = engine.policy.continuation()
     rows = list(cost_aware_trace.trace(engine, ROWS, 12))
     assert [r["id"] for r in rows] == ["a", "b"]
@@ -40,6 +39,6 @@ def test_the_trace_follows_one_engine_across_prompts(tmp_path, capsys):
 def test_a_policy_without_continuation_rates_is_a_one_line_error(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n")
-    assert cost_aware_trace.main(["--data", str(data), "--config", str(cost_aware_trace.ROOT / "configs" / "eagle3.yaml")]) == 2
+    assert cost_aware_trace.main(["--data", str(data), "--config", str(CONFIG.with_name("eagle3.yaml"))]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--config" in err and "'static'" in err and "expected cost_aware" in err

@@ -1,14 +1,11 @@
-"""scripts/head_lineage.py: validation points of warm-started runs placed on one token axis."""
+"""adaptivespec.analysis.head_lineage: validation points of warm-started runs placed on one token axis."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("head_lineage", Path(__file__).parents[1] / "scripts" / "head_lineage.py")
-lineage_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lineage_mod)
+from adaptivespec.analysis import head_lineage as lineage_mod
 
 
 def write_run(root: Path, name: str, vals: list[tuple[int, int, list[float]]], val_tokens: int = 1000) -> Path:

@@ -1,16 +1,13 @@
-"""scripts/paired_compare.py: per-category comparison on the prompts where two contenders agree."""
+"""adaptivespec.analysis.paired_compare: per-category comparison on the prompts where two contenders agree."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("paired_compare", Path(__file__).parents[1] / "scripts" / "paired_compare.py")
-paired = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(paired)
+from adaptivespec.analysis import paired_compare as paired
 
 
 def record(config: str, pid: int, text: str, tokens: int, wall: float, forwards: int) -> dict:

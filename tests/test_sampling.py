@@ -328,14 +328,10 @@ def test_seeded_runs_repeat_bit_for_bit_and_seeds_differ(drafter):
 
 @pytest.mark.model
 def test_speculative_first_tokens_are_distributed_as_plain_sampling():
-    """Cheap version of scripts/sampling_check.py (whose 300-sample run is in the notes): 48 seeded
+    """Cheap version of adaptivespec.analysis.sampling_check (whose 300-sample run is in the notes): 48 seeded
     2-token samples of eagle3's static tree and of plain decoding, top-k 5 so the sample is dense."""
-    import importlib.util
-    from pathlib import Path
+    from adaptivespec.analysis import sampling_check as check
 
-    spec = importlib.util.spec_from_file_location("sampling_check", Path(__file__).parents[1] / "scripts" / "sampling_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
     settings = ["generation.temperature=1.0", "generation.top_k=5", "policy.nsteps=3", "policy.topk=4", "policy.ndt=8"]
     out = {}
     for k, (name, extra) in enumerate((("ar", ["model.drafter=null"]), ("eagle3", []))):
@@ -349,12 +345,8 @@ def test_speculative_first_tokens_are_distributed_as_plain_sampling():
 
 
 def test_permutation_test_has_power():
-    import importlib.util
-    from pathlib import Path
+    from adaptivespec.analysis import sampling_check as check
 
-    spec = importlib.util.spec_from_file_location("sampling_check", Path(__file__).parents[1] / "scripts" / "sampling_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
     rng = random.Random(0)
     a = [(rng.choices([1, 2, 3], [0.5, 0.3, 0.2])[0], rng.randrange(3)) for _ in range(64)]
     b = [(rng.choices([1, 2, 3], [0.2, 0.3, 0.5])[0], rng.randrange(3)) for _ in range(64)]

@@ -1,8 +1,7 @@
-"""scripts/shape_oracle.py: acceptance per shape read off one full tree, and the schedule maths."""
+"""adaptivespec.analysis.shape_oracle: acceptance per shape read off one full tree, and the schedule maths."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -13,9 +12,7 @@ import yaml
 from adaptivespec.tree import ancestor_matrix
 from adaptivespec.types import DraftTree, TreeShape
 
-_spec = importlib.util.spec_from_file_location("shape_oracle", Path(__file__).parents[1] / "scripts" / "shape_oracle.py")
-oracle_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(oracle_mod)
+from adaptivespec.analysis import shape_oracle as oracle_mod
 
 
 def full_tree() -> DraftTree:

@@ -1,8 +1,7 @@
-"""scripts/tau_ceiling.py: static shapes and the ceiling replayed on shape_oracle.py's saved trees."""
+"""adaptivespec.analysis.tau_ceiling: static shapes and the ceiling replayed on shape_oracle.py's saved trees."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ from adaptivespec.types import TreeShape
 
 from test_shape_oracle import full_tree, oracle_mod
 
-_spec = importlib.util.spec_from_file_location("tau_ceiling", Path(__file__).parents[1] / "scripts" / "tau_ceiling.py")
-ceiling = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ceiling)
+from adaptivespec.analysis import tau_ceiling as ceiling
 
 SUB_SHAPES = [(n, 2, ndt) for n in (1, 2, 3) for ndt in range(2, 7) if ndt - 1 <= 2 * n]
 

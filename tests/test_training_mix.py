@@ -262,13 +262,9 @@ def test_model_card_tables_vocabulary_coverage_per_kind(tmp_path):
 
 
 def _heldout_script():
-    import importlib.util
-    from pathlib import Path
+    from adaptivespec.analysis import heldout_mix_set
 
-    spec = importlib.util.spec_from_file_location("heldout_mix_set", Path(__file__).parents[1] / "scripts" / "heldout_mix_set.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return heldout_mix_set
 
 
 def test_heldout_mix_set_leaves_out_every_trained_prompt():

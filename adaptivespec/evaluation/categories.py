@@ -5,7 +5,7 @@ Categories (:func:`category_of`):
 * ``specbench``: Spec-Bench's six -- ``translation``, ``summarization``, ``qa``,
   ``math_reasoning``, ``rag`` and ``mt_bench`` (its 80 MT-Bench questions, whatever their
   MT-Bench category); a ``--data`` file in Spec-Bench's format keeps any other category it names
-  (e.g. ``scripts/heldout_mix_set.py``'s ``mix:rag``);
+  (e.g. ``adaptivespec/analysis/heldout_mix_set.py``'s ``mix:rag``);
 * ``mtbench``: MT-Bench's own eight (``writing``, ``roleplay``, ``reasoning``, ``math``,
   ``coding``, ``extraction``, ``stem``, ``humanities``);
 * ``math500``: the MATH subject;

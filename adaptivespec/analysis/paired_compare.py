@@ -8,7 +8,7 @@ different work. This script restricts the comparison to the prompts where both t
 identical, per category, and reports target forwards (work to produce the same tokens) and
 tokens/s there, beside the all-prompt figures.
 
-    python scripts/paired_compare.py runs/q/specbench --a retrieval --b hf-prompt-lookup
+    python -m adaptivespec.analysis.paired_compare runs/q/specbench --a retrieval --b hf-prompt-lookup
 
 Prints a markdown table; ``--json FILE`` also writes the figures.
 """

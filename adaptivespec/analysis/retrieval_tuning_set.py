@@ -5,7 +5,7 @@ abstracts), rag (T0 passage + question prompts), qa-context (PubMedQA non-test),
 (Multi30k German sources), coding (Code Alpaca) and math (GSM8K train from line 7000 on). Used to
 tune retrieval settings (extra_slots, skip_draft_match, retrieval.yaml's budget):
 
-    python scripts/retrieval_tuning_set.py --per-category 3 --out runs/tuning/retrieval.jsonl
+    python -m adaptivespec.analysis.retrieval_tuning_set --per-category 3 --out runs/tuning/retrieval.jsonl
     adaptivespec bench --configs configs/eagle3.yaml configs/hybrid.yaml configs/retrieval.yaml \\
         --peers hf-prompt-lookup --dataset specbench --data runs/tuning/retrieval.jsonl --max-new-tokens 128
     adaptivespec sweep --config configs/hybrid.yaml --param sources.0.extra_slots=0,4,8 \\

@@ -2,12 +2,12 @@
 bench or a server does) and print, after each, its accept length, the most tokens a step accepted,
 the share of steps accepting 3 or more, and the policy's continuation rates by depth.
 
-    python scripts/cost_aware_trace.py --data runs/tuning/pool.jsonl [--config configs/cost-aware.yaml] \\
+    python -m adaptivespec.analysis.cost_aware_trace --data runs/tuning/pool.jsonl [--config configs/cost-aware.yaml] \\
         [--set policy.cont_prior=4] [--max-new-tokens 96]
 
-``--data``: Spec-Bench-format JSON lines (``scripts/heldout_mix_set.py`` writes them; order matters:
+``--data``: Spec-Bench-format JSON lines (``adaptivespec.analysis.heldout_mix_set`` writes them; order matters:
 it is the order the engine sees). A continuation rate that falls on one kind of prompt and stays
-there while later prompts accept at most ``d`` tokens is the trap the README's "Known problem"
+there while later prompts accept at most ``d`` tokens is the trap docs/tuning.md's "Known problem"
 describes.
 """
 
@@ -18,10 +18,6 @@ import json
 import sys
 from pathlib import Path
 from typing import Any, Iterable
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 
 def trace(engine, rows: Iterable[dict], max_new_tokens: int) -> Iterable[dict[str, Any]]:
     """One dict per prompt, in order: id, category, tau, max_accepted, share_ge3, continuation."""
@@ -41,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", nargs="+", required=True, type=Path, help="Spec-Bench-format JSON-lines files, decoded in order")
-    ap.add_argument("--config", default=str(ROOT / "configs" / "cost-aware.yaml"), help="a cost_aware config")
+    ap.add_argument("--config", default="configs/cost-aware.yaml", help="a cost_aware config")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--depths", type=int, default=6, help="continuation rates shown (depth indices 1..N)")

@@ -27,12 +27,12 @@ static-shape sweeps, ``--sweep``), schedules are timed over the same tokens:
   summary). ``--profile PROFILE.json`` (``adaptivespec calibrate``) may replace ``--sweep`` as
   the cost model.
 
-    python scripts/shape_oracle.py --sweep runs/shape/trees runs/shape/chains \\
+    python -m adaptivespec.analysis.shape_oracle --sweep runs/shape/trees runs/shape/chains \\
         --data runs/tuning/gsm8k-train-heldout.jsonl --limit 8 --max-new-tokens 128 --out oracle.json
 
 ``--categories`` / ``--per-category`` pick the prompts ``adaptivespec bench`` picks with the same flags
 (Spec-Bench, MT-Bench, MATH-500), and the saved ``.pt`` names each prompt's category, which
-``scripts/tau_ceiling.py`` reads to replay shapes per category.
+``adaptivespec.analysis.tau_ceiling`` reads to replay shapes per category.
 
 Prints a JSON summary (and writes it with ``--out``, the acceptances beside it as ``.pt`` for
 ``--cached``). bfloat16 teacher forcing matches incremental decoding up to rounding.

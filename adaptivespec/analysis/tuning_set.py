@@ -5,7 +5,7 @@ whose answers the head was distilled from either, or the head would look better 
 anywhere else (deep trees and low kappa would win for the wrong reason). This keeps the GSM8K train
 problems whose ``gsm8k-train-N`` id is absent from the distillation corpus, in file order.
 
-    python scripts/tuning_set.py --n 64 --out runs/tuning/gsm8k-train-heldout.jsonl
+    python -m adaptivespec.analysis.tuning_set --n 64 --out runs/tuning/gsm8k-train-heldout.jsonl
     adaptivespec sweep --config configs/eagle3.yaml ... --dataset gsm8k --data runs/tuning/gsm8k-train-heldout.jsonl
 
 The data root is ``$ADAPTIVESPEC_DATA`` or ``shared/data`` beside the checkout (see

@@ -6,7 +6,7 @@ prompts the head has never seen: the right place to tune a head's static shape (
 evaluation set). Categories are the mix kinds as ``mix:<kind>`` (``mix:math`` is not MT-Bench's
 ``math``); ``chat2`` is left out (the bench sends one turn).
 
-    python scripts/heldout_mix_set.py --distilled runs/broad/training/distill.jsonl --per-kind 3 \\
+    python -m adaptivespec.analysis.heldout_mix_set --distilled runs/broad/training/distill.jsonl --per-kind 3 \\
         --out runs/tuning/heldout-mix.jsonl
     adaptivespec sweep --config configs/eagle3.yaml --reference configs/ar.yaml --param policy.nsteps=3,4,5 \\
         --dataset specbench --data runs/tuning/heldout-mix.jsonl --max-new-tokens 96

@@ -1,6 +1,6 @@
 """How far can τ go with this draft head, whatever the tree? Teacher-forced accepted lengths per category.
 
-Reads the full teacher-forced trees that ``scripts/shape_oracle.py --out X.json`` saves beside its
+Reads the full teacher-forced trees that ``adaptivespec.analysis.shape_oracle --out X.json`` saves beside its
 summary (``X.pt``: at every position of each prompt's greedy output, the depth-7 beam tree of every
 branching, each node's depth, parent, draft score and whether its token continues the output) and
 replays static shapes on them: at each step the shape's tree (the ``ndt - 1`` best-scored nodes of
@@ -10,9 +10,9 @@ bonus token. τ = new tokens / target forwards (prefill included), as ``adaptive
 it. ``ceiling`` takes, at every step, the longest match of any full tree (up to 393 nodes, depth 7):
 no tree shape or per-step policy drafted from this head accepts more.
 
-    python scripts/shape_oracle.py --profile adaptivespec/profiles/cpu-smollm2-135m-bf16.json \\
+    python -m adaptivespec.analysis.shape_oracle --profile adaptivespec/profiles/cpu-smollm2-135m-bf16.json \\
         --dataset specbench --per-category 5 --max-new-tokens 128 --out runs/oracle/specbench.json
-    python scripts/tau_ceiling.py runs/oracle/specbench.pt --shape 3,4,8 --shape 7,8,64 --plot tau-ceiling.png
+    python -m adaptivespec.analysis.tau_ceiling runs/oracle/specbench.pt --shape 3,4,8 --shape 7,8,64 --plot tau-ceiling.png
 
 Prints a markdown table (one row per category, then the mean over categories) and ``--json`` writes
 the same figures. Files from an oracle run without categories count as one category named after
@@ -22,7 +22,6 @@ the file.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -47,13 +46,10 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def _oracle():
-    """scripts/shape_oracle.py, whose tree cut (``kept_nodes``) this replays."""
-    if "shape_oracle" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("shape_oracle", Path(__file__).with_name("shape_oracle.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["shape_oracle"] = module
-    return sys.modules["shape_oracle"]
+    """:mod:`adaptivespec.analysis.shape_oracle`, whose tree cut (``kept_nodes``) this replays."""
+    from adaptivespec.analysis import shape_oracle
+
+    return shape_oracle
 
 
 def accepted(rec: dict, nsteps: int, ndt: int | None) -> int:

@@ -4,7 +4,7 @@ Each run (a ``train-drafter --out`` folder) continues from the one before it (``
 its validation log is appended at an offset of the tokens the earlier runs trained on. The runs
 must score the same held-out records (same ``val_tokens``), or the curve would mix two yardsticks.
 
-    python scripts/head_lineage.py runs/broad-head3 runs/broad-head4 runs/broad-head5 \\
+    python -m adaptivespec.analysis.head_lineage runs/broad-head3 runs/broad-head4 runs/broad-head5 \\
         --out adaptivespec/heads/smollm2-135m-instruct-eagle3/lineage.png
 
 Prints one row per validation (run, step, cumulative tokens, top-1 agreement at draft step 0,

@@ -8,7 +8,7 @@ of the second token and of the pair (outcomes seen fewer than ``--min-count`` ti
 sample are pooled into one "other" cell). A lossless sampler cannot be told apart from plain
 sampling: its p-values are uniform, so they are small only by chance.
 
-    python scripts/sampling_check.py --configs configs/ar.yaml configs/eagle3.yaml configs/adaptivespec-dynamic.yaml \\
+    python -m adaptivespec.analysis.sampling_check --configs configs/ar.yaml configs/eagle3.yaml configs/adaptivespec-dynamic.yaml \\
         --samples 300 --set generation.temperature=1.0 [--set runtime.dtype=float32] [--json out.json]
 """
 
