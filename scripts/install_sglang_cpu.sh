@@ -51,8 +51,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 # Python side: pin torch so pip can never swap it for a CUDA build.
-pin="$(mktemp)"; trap 'rm -f "$pin"' EXIT
+pin="$(mktemp)"; trap 'rm -f "$pin" "$pin.req"' EXIT
 echo "torch==$torch_version" > "$pin"
+# keep the project's transformers: SGLang's list pins 5.19.0, whose forward takes no cache= keyword
+# (adaptivespec's runtime needs >= 5.24); SGLang 0.5.23 serves the embedded pair on 5.24 (tested)
+tf_version="$(python -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
+[ -n "$tf_version" ] && echo "transformers==$tf_version" >> "$pin"
 if python - <<'PY' 2>/dev/null
 import importlib.metadata as m, sys
 ok = m.version("sglang") == "0.5.23" and m.version("sglang-kernel-cpu").startswith("0.4") and m.version("torchvision") == "0.28.0"
@@ -63,11 +67,14 @@ then
 else
     pip install -q --no-warn-conflicts -c "$pin" "$wheels"/sglang_kernel_cpu-*.whl
     pip install -q --no-warn-conflicts --no-deps "$wheels"/sglang-0.5.23-*.whl
-    pip install -q --no-warn-conflicts -c "$pin" -r "$wheels/requirements-cpu.txt"
+    grep -v '^transformers==' "$wheels/requirements-cpu.txt" > "$pin.req"
+    pip install -q --no-warn-conflicts -c "$pin" -r "$pin.req"
     pip install -q --no-warn-conflicts --no-deps torchvision==0.28.0
 fi
 # sglang imports torchvision; PyPI's torchvision is a CUDA build whose two fake-op registrations
 # fail without its CUDA ops: guard them (a no-op when already guarded).
 tv="$(python -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')/_meta_registrations.py"
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$tv"
+[ -n "$tf_version" ] && python -c "import transformers, sys; sys.exit(transformers.__version__ != '$tf_version')" \
+    || { [ -n "$tf_version" ] && pip install -q --no-warn-conflicts "transformers==$tf_version"; }
 python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__; import sglang, sgl_kernel; print("install_sglang_cpu: ready: sglang", sglang.__version__, "torch", torch.__version__)'

@@ -192,7 +192,8 @@ def test_dcs_chooses_varying_shapes_per_step(served, prompt_ids):
     assert shapes <= declared, f"shapes outside the policy's: {shapes - declared}"
     assert len(shapes) >= 2, f"dcs ran one shape only: {shapes}"
     assert all(s["bs"] == 1 and 0 <= s["accepted"] <= s["shape"][0] for s in steps)
-    assert sum(s["accepted"] + 1 for s in steps) >= out["meta_info"]["completion_tokens"]
+    # every token but the prefill's came from a verify step (accepted drafts + one bonus each)
+    assert sum(s["accepted"] + 1 for s in steps) >= out["meta_info"]["completion_tokens"] - 1
 
 
 @pytest.mark.parametrize("path,body", [
