@@ -343,13 +343,13 @@ def main(argv=None) -> int:
         print(f"gpu_check: transformers {transformers.__version__}; the project was checked with 5.24", file=sys.stderr)
     phases = {p.strip() for p in args.phases.split(",") if p.strip()}
     deadline = time.monotonic() + args.budget_s
-    import serve_check
+    from adaptivespec.analysis import serve_check
 
     env_info = serve_check.environment()
     if "env" in phases:
         report["environment"] = env_info
     if "configs" in phases:  # every shipped config, those added later included (found by glob)
-        from config_check import check_configs
+        from adaptivespec.analysis.config_check import check_configs
 
         cc = check_configs(str(device), runtimes=("torch", "torch-cuda-graphs") if capture else ("torch",),
                            tokens=8 if args.dry_run else args.config_tokens, prompts=1 if args.dry_run else 3,
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
         if capture:
             torch.cuda.empty_cache()
     if "train" in phases:
-        import train_check
+        from adaptivespec.analysis import train_check
 
         print("gpu_check: train ...", file=sys.stderr, flush=True)
         report["train"] = train_check.train_check(str(device), out_dir, steps=2 if args.dry_run else args.train_steps,
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     md = markdown(report)
     if "configs" in report:
-        from config_check import markdown as configs_markdown
+        from adaptivespec.analysis.config_check import markdown as configs_markdown
 
         md += "\n" + configs_markdown(report["configs"])
     if "environment" in report:

@@ -1,27 +1,17 @@
-"""scripts/serve_check.py and scripts/train_check.py, the device machine's phases of gpu_check.py:
+"""adaptivespec.analysis.serve_check and .train_check (``scripts/serve_check.py``, ``scripts/train_check.py``), the device machine's phases of gpu_check.py:
 the environment record and the OpenAI-API client of the serve check, against a stand-in HTTP server
 (the real one needs SGLang on a CUDA machine), and the train check's corpus slice and summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-serve_check = _script("serve_check")
-train_check = _script("train_check")
+from adaptivespec.analysis import serve_check, train_check
 
 
 class StandIn(BaseHTTPRequestHandler):
