@@ -81,12 +81,9 @@ class HfPeer:
     autoregressive = False
 
     def __init__(self, name: str, config: Config, host=None) -> None:
+        """``host`` is accepted for the contenders' common signature; a peer loads no plugin."""
         from adaptivespec.models import encode_prompt, load_target
 
-        if host is None:
-            from adaptivespec.plugins import get_plugin_host
-
-            host = get_plugin_host()
         if name not in PEERS:
             raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected one of: {', '.join(PEERS)}")
         self.name, self.config = name, config
