@@ -11,8 +11,14 @@ time), levels in the order given::
         configs/adaptivespec-dynamic.yaml@16
 
 A contender is ``sglang`` / ``sglang-eagle3`` / ``sglang-ngram`` (SGLang alone) or a config file
-served through the plugin (``adaptivespec serve``); ``CONFIG@ROWS`` serves it load-aware, with
-``--verify-budget ROWS``. Writes ``OUT/load.json`` (every request's tokens and latency, the plugin's
+served through the plugin (``adaptivespec serve``, load-aware by default: ``--load-profile auto``);
+``CONFIG@ROWS`` adds ``--verify-budget ROWS``, ``CONFIG@none`` serves it without a load model and
+``CONFIG@PROFILE.json`` with that cost profile. Before each level's timed pass the same requests run
+once untimed with ``--warmup-tokens`` new tokens at that concurrency: SGLang's CPU backend compiles
+kernels for each new batch size and prompt length on first use (stalls of 90-200 s were seen).
+``--data FILE`` takes the prompts from a Spec-Bench-format file (e.g. training prompts written by
+``python -m adaptivespec.analysis.retrieval_tuning_set``, to fit a served cost profile with
+``python -m adaptivespec.analysis.served_cost``). Writes ``OUT/load.json`` (every request's tokens and latency, the plugin's
 per-step trace summary: shapes per batch size) and ``OUT/load.md`` (the table). Run it alone on the
 machine (``flock -x /tmp/cpu.lock``): a second heavy process skews every figure.
 """
@@ -24,6 +30,7 @@ import collections
 import concurrent.futures
 import datetime
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,12 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def prompts(per_category: int, tokenizer) -> list[tuple[str, list[int]]]:
+def prompts(per_category: int, tokenizer, data: str | None = None) -> list[tuple[str, list[int]]]:
     from adaptivespec.evaluation.categories import select
     from adaptivespec.evaluation.datasets import load_dataset
     from adaptivespec.models import encode_prompt
 
-    problems = select(load_dataset("specbench", None, None), None, per_category, "specbench")
+    problems = select(load_dataset("specbench", data, None), None, per_category, "specbench")
     return [(p.category if hasattr(p, "category") else "", encode_prompt(tokenizer, p.prompt)) for p in problems]
 
 
@@ -50,10 +57,12 @@ def server_for(contender: str, port: int, logdir: Path):
     if contender in PEER_MODES:
         argv, env = peer_command(contender, port, extra_args=["--max-total-tokens", "32768"])
     else:
-        config, _, budget = contender.partition("@")
-        trace = logdir / f"{Path(config).stem}{'-' + budget if budget else ''}.steps.jsonl"
+        config, _, option = contender.partition("@")
+        trace = logdir / f"{Path(config).stem}{'-' + Path(option).stem if option else ''}.steps.jsonl"
+        budget = int(option) if option.isdigit() else None
+        profile = option if option and budget is None else None
         argv, env = served_command(config, port, trace=trace, extra_args=["--max-total-tokens", "32768"],
-                                   verify_budget=int(budget) if budget else None)
+                                   verify_budget=budget, load_profile=profile)
     name = contender.replace("/", "_")
     return SGLangServer(argv, env, logdir / f"{name}.log", timeout=400), trace
 
@@ -103,6 +112,10 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--warmup-tokens", type=int, default=16,
+                    help="new tokens per request of each level's untimed pass (0: none)")
+    ap.add_argument("--data", help="Spec-Bench-format prompts file (default: Spec-Bench)")
+    ap.add_argument("--keep-traces", help="copy the plugin's per-step traces into this folder")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -114,7 +127,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(embedded_folder()))
-    jobs = [ids for _, ids in prompts(args.per_category, tok)]
+    jobs = [ids for _, ids in prompts(args.per_category, tok, args.data)]
     levels = [int(x) for x in args.levels.split(",")]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "prompts": len(jobs), "max_new_tokens": args.max_new_tokens,
@@ -126,6 +139,8 @@ def main(argv=None) -> int:
         with server:
             server.generate(jobs[0], 8)  # warm-up, untimed
             for c in levels:
+                if args.warmup_tokens > 0:
+                    run_level(server, jobs, c, args.warmup_tokens)  # untimed: compiles this level's shapes
                 skip = len(trace.read_text().splitlines()) if trace is not None and trace.exists() else 0
                 row = run_level(server, jobs, c, args.max_new_tokens)
                 row["trace"] = trace_summary(trace, skip)
@@ -133,6 +148,9 @@ def main(argv=None) -> int:
                 print(f"{contender} c={c}: {row['tokens_per_s']:.1f} tok/s, latency mean {row['latency_mean_s']:.2f} s"
                       f" p90 {row['latency_p90_s']:.2f} s {row['trace'].get('shapes_by_batch', '')}", flush=True)
         report["results"][contender] = rows
+        if args.keep_traces and trace is not None and trace.exists():
+            Path(args.keep_traces).mkdir(parents=True, exist_ok=True)
+            shutil.copy(trace, Path(args.keep_traces) / trace.name)
         (out / "load.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# SGLang under load: {len(jobs)} Spec-Bench prompts x {args.max_new_tokens} new tokens, greedy",
              "", f"{report['date']} · `{report['command']}`", "",

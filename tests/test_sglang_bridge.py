@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from adaptivespec.costmodel import CostModel
 from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
 from adaptivespec.policies.static import StaticParams, StaticPolicy
 from adaptivespec.sglang.policy_bridge import (
+    LoadModel,
     ShapeStateBank,
     TripletController,
     kv_alloc_len_per_decode,
@@ -133,6 +135,51 @@ def test_load_aware_controller_shrinks_the_tree_as_the_batch_grows():
     assert free.shapes == (WIDE, MID, DEEP) and free.begin_step(probs(*[0.9] * 8)) == DEEP
     with pytest.raises(AdaptiveSpecError, match="verify_budget: expected at least 2"):
         TripletController(StubPolicy(), verify_budget=1)
+
+
+def test_load_model_shrinks_the_tree_when_rows_cost_more_than_they_return():
+    # a step: 20 ms fixed + 2 ms per verified row; every shape accepts 1.5 drafted tokens per request
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0))
+    for shape in (WIDE, MID, DEEP, TreeShape(1, 1, 2)):
+        load.observe(shape, 1.5)
+    floor = TreeShape(1, 1, 2)
+    shapes = (floor, WIDE, MID, DEEP)
+    assert load.choose(DEEP, 1, shapes) == DEEP  # batch 1: the policy's shape, always
+    # batch 2: DEEP 2*2.5/(20+32) ms < floor 2*2.5/(20+8): the same tokens for fewer rows
+    assert load.choose(DEEP, 2, shapes) == floor
+    assert load.tokens_per_s(floor, 2) == pytest.approx(1e3 * 5 / 28)
+    # deeper trees that return more keep their place while rows are cheap
+    cheap = LoadModel(CostModel(fixed=20.0, per_verified_token=0.5))
+    for shape, acc in ((floor, 0.6), (WIDE, 1.5), (MID, 2.2), (DEEP, 3.5)):
+        cheap.observe(shape, acc)
+    assert cheap.choose(DEEP, 4, shapes) == DEEP
+    # ... until the batch makes them expensive: at 64 requests DEEP's 512 rows cost 256 ms
+    assert cheap.choose(DEEP, 64, shapes) == floor
+    # never a larger tree than the policy's
+    assert cheap.choose(WIDE, 4, shapes) in (WIDE, floor)
+    # an unseen shape is expected to accept the running average, at most its depth
+    fresh = LoadModel(CostModel(fixed=20.0))
+    fresh.observe(DEEP, 3.0)
+    assert fresh.accepted(MID) == 3.0 and fresh.accepted(floor) == 1.0
+    with pytest.raises(AdaptiveSpecError, match="decay"):
+        LoadModel(CostModel(fixed=20.0), decay=1.5)
+
+
+def test_controller_with_a_load_model_runs_the_cheaper_shape_and_learns_from_what_ran():
+    traced = []
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0))
+    c = TripletController(StubPolicy(), load=load, on_trace=lambda r, bs: traced.append((r.shape, bs, r.policy_state)))
+    floor = TreeShape(1, 1, 2)
+    assert floor in c.shapes  # the floor joins the bank
+    assert c.begin_step(probs(0.9)) == DEEP  # batch 1: the policy's shape
+    c.observe([2])
+    # batch 3: DEEP's 24 rows cost more than they return; WIDE (unseen: expected to accept DEEP's 2)
+    # gives 9 tokens in 44 ms, the floor 6 in 32 ms
+    assert c.begin_step(probs(0.9, 0.9, 0.9)) == WIDE
+    c.observe([1, 1, 1])
+    assert load.accepted(DEEP) == 2.0 and load.accepted(WIDE) == 1.0
+    assert traced[1][2]["load_capped_from"] == str(DEEP)
+    assert all(r.other_ms >= 0 for r in c.policy.records)  # each step's host time is recorded
 
 
 def test_new_request_resets_the_policy_and_drops_stale_steps():

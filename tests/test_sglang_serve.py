@@ -231,3 +231,29 @@ def test_print_command_on_cpu_shows_the_cpu_environment(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert code == 0 and "SGLANG_USE_CPU_ENGINE=1" in out and "SGLANG_CPU_OMP_THREADS_BIND=" in out
     assert "--device cpu" in out and "--dtype bfloat16" in out and f"{serve.TRACE_ENV}=" in out
+
+
+def test_load_profile_auto_serves_adaptive_policies_load_aware_on_cpu_and_leaves_static_alone(monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+    dynamic, static = ROOT / "configs" / "adaptivespec-dynamic.yaml", ROOT / "configs" / "eagle3.yaml"
+    shipped = serve.load_profile(dynamic)
+    assert shipped is not None and shipped.name == serve.SERVED_CPU_PROFILE and shipped.is_file()
+    assert serve.load_profile(static) is None  # the static baseline stays static
+    assert serve.load_profile(dynamic, "none") is None
+    assert serve.load_profile(dynamic, device="cuda") is None  # no GPU profile ships
+    env = serve.build_env(dynamic, {}, device="cpu", load_profile=shipped)
+    assert env[serve.LOAD_PROFILE_ENV] == str(shipped)
+    with pytest.raises(AdaptiveSpecError, match="--load-profile: file 'nope.json' not found"):
+        serve.load_profile(dynamic, "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(AdaptiveSpecError, match="not a cost profile"):
+        serve.load_profile(dynamic, str(bad))
+
+
+def test_bad_load_profile_is_one_line_exit_2(capsys):
+    cli = pytest.importorskip("adaptivespec.cli")
+    code = cli.main(["serve", "--config", str(ROOT / "configs" / "adaptivespec-dynamic.yaml"), "--print-command",
+                     "--load-profile", "missing.json"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--load-profile" in err and "missing.json" in err

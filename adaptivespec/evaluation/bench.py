@@ -4,7 +4,8 @@ The run, in order:
 
 1. every config is loaded with the shared ``--set`` overrides and ``generation.max_new_tokens``;
    the target is loaded once (``decode.load_models`` caches it per process);
-2. each contender is warmed up once (:data:`WARMUP_TOKENS` tokens, untimed, not recorded); a
+2. each contender is warmed up once (:data:`WARMUP_TOKENS` tokens, untimed, not recorded; an
+   SGLang contender on every prompt, as its CPU backend compiles kernels per prompt length); a
    candidate source's cross-request output cache (off unless a config sets it) is emptied after
    it: each contender has its own, and a prompt never drafts from its own earlier outputs;
 3. for prompt ``i``, every contender runs in the order rotated by ``i`` (so slow drift of the
@@ -344,7 +345,9 @@ def _run_todo(spec, problems, out, todo, names, contenders, progress) -> None:
     from tqdm import tqdm
 
     for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
-        c.generate_ids(c.encode(problems[0].prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
+        # a contender that compiles per prompt length (SGLang's CPU backend) warms up on every prompt
+        for problem in problems if getattr(c, "warm_every_prompt", False) else problems[:1]:
+            c.generate_ids(c.encode(problem.prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
         if hasattr(c, "forget"):
             c.forget()
     total = len(problems) * len(names)

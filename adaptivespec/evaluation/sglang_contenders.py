@@ -38,6 +38,9 @@ class SGLangContender:
 
     lossless = True
     autoregressive = False
+    warm_every_prompt = True
+    """The bench warms it up on every prompt: SGLang's CPU backend compiles kernels per new prompt
+    length and batch size on first use (stalls of 90-200 s were seen inside timed runs)."""
 
     def __init__(self, name: str, config: Config, *, peer: str | None = None, config_path: str | None = None,
                  server_factory: Callable | None = None) -> None:

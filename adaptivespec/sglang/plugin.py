@@ -188,6 +188,7 @@ def _worker_classes(ew: Any, config_path: str) -> tuple[type, type]:
                 policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None,
                 on_trace=trace.write if trace is not None else None,
                 verify_budget=verify_budget_from_env(),
+                load=load_model_from_env(),
             )
             notice = step_level_notice(policy)
             if notice:
@@ -331,6 +332,23 @@ def verify_budget_from_env() -> int | None:
     return value or None
 
 
+def load_model_from_env():
+    """``ADAPTIVESPEC_SGLANG_LOAD_PROFILE`` (``serve --load-profile``): the served step's cost
+    profile; the controller then shrinks the tree as the batch grows (:class:`LoadModel`). Unset:
+    no load model."""
+    from adaptivespec.costmodel import CostModel
+    from adaptivespec.sglang.policy_bridge import LoadModel
+    from adaptivespec.sglang.serve import LOAD_PROFILE_ENV
+
+    path = os.environ.get(LOAD_PROFILE_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        return LoadModel(CostModel.load(path))
+    except ValueError as exc:
+        raise AdaptiveSpecError(f"{LOAD_PROFILE_ENV}: {exc}") from None
+
+
 def _is_cpu_device(device: Any) -> bool:
     return str(device).split(":")[0] == "cpu"
 
@@ -338,8 +356,9 @@ def _is_cpu_device(device: Any) -> bool:
 class StepTrace:
     """JSON lines, one per observed decode step, appended to the file ``ADAPTIVESPEC_SGLANG_TRACE``
     names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "bs",
-    "accepted", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the batch as the
-    policy sees it). Line-buffered: a reader sees every finished step."""
+    "accepted", "ms", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the batch as
+    the policy sees it; ``ms``: host time from the shape's choice to the accept lengths, the draft
+    and verify of the step). Line-buffered: a reader sees every finished step."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -357,7 +376,7 @@ class StepTrace:
 
         s = record.shape
         line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
-                "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+                "ms": round(record.other_ms, 3), "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
         self._file.write(json.dumps(line) + "\n")
 
 

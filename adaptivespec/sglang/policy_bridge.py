@@ -33,11 +33,13 @@ so that the emitted tokens are ``predict[accept_index]``.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Callable, Generic, Iterable, Sequence, TypeVar
 
 import attrs
 import torch
 
+from adaptivespec.costmodel import CostModel
 from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
 from adaptivespec.strategies import TreePolicy, Verifier
 from adaptivespec.tree import make_tree
@@ -102,6 +104,64 @@ class _PendingStep:
     policy_state: dict[str, Any]
     batch_size: int = 1
     promoted: list[int] | None = None
+    started: float = 0.0  # perf_counter() when the shape was chosen (before drafting)
+
+
+class LoadModel:
+    """Load-aware trees: the shape that gives a batch the most tokens per second, from a cost model
+    of the *served* step and the accept lengths seen so far.
+
+    A step of ``bs`` requests at shape ``s`` is priced by the cost model as
+    ``step_ms(verified=bs * s.ndt, levels=s.nsteps, nodes=bs * s.nsteps * s.topk)`` and yields
+    ``bs * (1 + accepted(s))`` tokens, ``accepted(s)`` the exponential moving average of the
+    drafted tokens accepted per request at that shape (unseen shapes: the average over all shapes,
+    at most ``s.nsteps``). :meth:`choose` keeps the policy's shape unless a smaller bank shape
+    (``ndt`` no larger) is expected to give more tokens per second: as the batch grows, every
+    verified row costs more of the step and the tree shrinks, down to the bank's one-drafted-token
+    floor. At batch size 1 the policy's shape always runs (the paper's setting).
+
+    The cost model is fitted from a served trace (``serve --trace`` records each step's time):
+    ``python -m adaptivespec.analysis.served_cost``; the embedded pair's CPU profile ships as
+    ``sglang-cpu-smollm2-135m-bf16.json``.
+    """
+
+    def __init__(self, cost: CostModel, *, decay: float = 0.9) -> None:
+        if not 0.0 < decay < 1.0:
+            raise AdaptiveSpecError(f"load model decay: expected a number in (0, 1), got {decay!r}")
+        self.cost, self.decay = cost, decay
+        self._accepted: dict[TreeShape, float] = {}
+        self._overall: float | None = None
+
+    def observe(self, shape: TreeShape, accepted: float) -> None:
+        """A step ran at ``shape`` and accepted ``accepted`` drafted tokens per request (batch mean)."""
+        d = self.decay
+        prev = self._accepted.get(shape)
+        self._accepted[shape] = accepted if prev is None else d * prev + (1 - d) * accepted
+        self._overall = accepted if self._overall is None else d * self._overall + (1 - d) * accepted
+
+    def accepted(self, shape: TreeShape) -> float:
+        if shape in self._accepted:
+            return self._accepted[shape]
+        return min(float(shape.nsteps), self._overall if self._overall is not None else 1.0)
+
+    def step_ms(self, shape: TreeShape, batch_size: int) -> float:
+        return self.cost.step_ms(verified=batch_size * shape.ndt, levels=shape.nsteps,
+                                 nodes=batch_size * shape.nsteps * shape.topk, context=0.0)
+
+    def tokens_per_s(self, shape: TreeShape, batch_size: int) -> float:
+        return 1e3 * batch_size * (1.0 + self.accepted(shape)) / self.step_ms(shape, batch_size)
+
+    def choose(self, shape: TreeShape, batch_size: int, shapes: Iterable[TreeShape]) -> TreeShape:
+        """The shape to run for ``batch_size`` requests when the policy chose ``shape``."""
+        if batch_size <= 1:
+            return shape
+        best, best_rate = shape, self.tokens_per_s(shape, batch_size)
+        for s in sorted(shapes):
+            if s.ndt < shape.ndt:
+                rate = self.tokens_per_s(s, batch_size)
+                if rate > best_rate:
+                    best, best_rate = s, rate
+        return best
 
 
 class TripletController:
@@ -132,13 +192,14 @@ class TripletController:
         on_record: Callable[[StepRecord], None] | None = None,
         on_trace: Callable[[StepRecord, int], None] | None = None,
         verify_budget: int | None = None,
+        load: LoadModel | None = None,
     ) -> None:
         if batch_reduce not in BATCH_REDUCERS:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
         if verify_budget is not None and verify_budget < 2:
             raise AdaptiveSpecError(f"verify_budget: expected at least 2 verified rows per step, got {verify_budget}")
         own = set(policy.shapes())
-        if verify_budget is not None and own:
+        if (verify_budget is not None or load is not None) and own:
             own.add(load_floor_shape(own))
         shapes = tuple(sorted(own))
         if not shapes:
@@ -152,6 +213,7 @@ class TripletController:
         self.on_record = on_record
         self.on_trace = on_trace
         self.verify_budget = verify_budget
+        self.load = load
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0
@@ -195,16 +257,19 @@ class TripletController:
         run = self.fit_load(shape, bs)
         if run != shape:
             state["load_capped_from"] = str(shape)
-        self._pending.append(_PendingStep(self._step, self._epoch, run, signals, state, batch_size=bs))
+        self._pending.append(_PendingStep(self._step, self._epoch, run, signals, state, batch_size=bs,
+                                          started=time.perf_counter()))
         self._step += 1
         return run
 
     def fit_load(self, shape: TreeShape, batch_size: int) -> TreeShape:
-        """The shape to run for a batch of ``batch_size``: the policy's ``shape`` while the verify
-        forward's rows (``batch_size * ndt``) fit ``verify_budget``; else the bank's largest shape
-        that fits (the deepest of those), else the smallest (:func:`load_floor_shape`). Past the
-        budget the target's forward is compute-bound and every extra verified row costs as much as
-        a plain decoding token (measured: docs/serving.md, "Batch > 1")."""
+        """The shape to run for a batch of ``batch_size``: the policy's ``shape``, shrunk by the
+        load model (:class:`LoadModel`: the shape with the most tokens per second by the served
+        step's cost model) and capped so that the verify forward's rows (``batch_size * ndt``) fit
+        ``verify_budget`` (the bank's largest shape that fits, the deepest of those, else the
+        smallest: :func:`load_floor_shape`)."""
+        if self.load is not None:
+            shape = self.load.choose(shape, batch_size, self.shapes)
         budget = self.verify_budget
         if budget is None or batch_size * shape.ndt <= budget:
             return shape
@@ -229,6 +294,10 @@ class TripletController:
         p = self._pending.popleft()
         if p.epoch != self._epoch:
             return None
+        step_ms = (time.perf_counter() - p.started) * 1e3
+        mean_accepted = _reduce([int(a) for a in num_correct_drafts_per_req], "mean")
+        if self.load is not None:
+            self.load.observe(p.shape, mean_accepted)
         accepted = int(_reduce([int(a) for a in num_correct_drafts_per_req], self.batch_reduce))
         promoted = int(_reduce(p.promoted, self.batch_reduce)) if p.promoted else 0
         record = StepRecord(
@@ -238,9 +307,9 @@ class TripletController:
             accepted=accepted,
             promoted=promoted,
             new_tokens=accepted + 1,
-            draft_ms=0.0,  # not timed inside the server: timing would add a device sync per phase
+            draft_ms=0.0,  # phases not timed inside the server: that would add a device sync per phase
             verify_ms=0.0,
-            other_ms=0.0,
+            other_ms=step_ms,  # host time from the shape's choice to the accept lengths (no sync added)
             signals=p.signals,
             policy_state=p.policy_state,
         )

@@ -38,6 +38,13 @@ TRACE_ENV = "ADAPTIVESPEC_SGLANG_TRACE"
 VERIFY_BUDGET_ENV = "ADAPTIVESPEC_SGLANG_VERIFY_BUDGET"
 """Environment variable of ``serve --verify-budget``: the load-aware cap on verified rows per step."""
 
+LOAD_PROFILE_ENV = "ADAPTIVESPEC_SGLANG_LOAD_PROFILE"
+"""Environment variable of ``serve --load-profile``: the served step's cost profile (load-aware trees)."""
+
+SERVED_CPU_PROFILE = "sglang-cpu-smollm2-135m-bf16.json"
+"""The shipped cost profile of the embedded pair served by SGLang's CPU backend (bf16), fitted from
+a served trace on training prompts (``python -m adaptivespec.analysis.served_cost``)."""
+
 CPU_PRELOADS = ("libiomp5.so", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtbbmalloc.so.2")
 """Libraries SGLang's CPU recipe preloads (Intel OpenMP from the venv, tcmalloc, TBB's malloc); each
 only where present."""
@@ -266,12 +273,39 @@ def build_command(
     return argv + sampling + list(extra_args)
 
 
+def load_profile(config_path: str | Path, value: str | None = None, *, device: str | None = None) -> Path | None:
+    """The cost profile the served controller shrinks trees under load with (``serve
+    --load-profile``): ``value`` a file or a shipped profile name, ``none`` for no load model, or
+    ``auto``/None: the shipped :data:`SERVED_CPU_PROFILE` when serving the embedded target on a CPU
+    with an adaptive policy (``static`` stays static: it is the baseline), else none."""
+    from adaptivespec.config import load_config
+    from adaptivespec.costmodel import CostModel, resolve_profile
+    from adaptivespec.models import EMBEDDED
+
+    if value is not None and value.lower() == "none":
+        return None
+    if value is None or value.lower() == "auto":
+        config = load_config(config_path)
+        if ((device or detect_device()) != "cpu" or config.model.target != EMBEDDED or config.policy.name == "static"
+                or config.autoregressive):
+            return None
+        value = SERVED_CPU_PROFILE
+    try:
+        path = resolve_profile(value, SERVED_CPU_PROFILE, "--load-profile")
+        CostModel.load(path)
+    except ValueError as exc:
+        raise AdaptiveSpecError(str(exc)) from None
+    return path.resolve()
+
+
 def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *, device: str | None = None,
-              trace: str | Path | None = None, verify_budget: int | None = None) -> dict[str, str]:
+              trace: str | Path | None = None, verify_budget: int | None = None,
+              load_profile: str | Path | None = None) -> dict[str, str]:
     """The server's environment: ``ADAPTIVESPEC_CONFIG`` (absolute), and our plugin added to
     ``SGLANG_PLUGINS`` when that whitelist is set (unset, SGLang loads every plugin); on a CPU
     (``device``, default :func:`detect_device`) :func:`cpu_env`'s; ``trace``: the per-step trace
-    file (:data:`TRACE_ENV`)."""
+    file (:data:`TRACE_ENV`); ``verify_budget`` and ``load_profile``: the load-aware controls
+    (:data:`VERIFY_BUDGET_ENV`, :data:`LOAD_PROFILE_ENV`; resolve the profile with :func:`load_profile`)."""
     env = dict(os.environ if base is None else base)
     if (device or detect_device()) == "cpu":
         env = cpu_env(env)
@@ -279,6 +313,8 @@ def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *,
         env[TRACE_ENV] = str(Path(trace).resolve())
     if verify_budget is not None:
         env[VERIFY_BUDGET_ENV] = str(verify_budget)
+    if load_profile is not None:
+        env[LOAD_PROFILE_ENV] = str(Path(load_profile).resolve())
     env[CONFIG_ENV] = str(Path(config_path).resolve())
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
@@ -309,7 +345,8 @@ def serve(args: argparse.Namespace) -> None:
     """Replace this process with the SGLang server (returns only by raising)."""
     refuse_unservable(args.config)
     argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-    env = build_env(args.config, trace=args.trace, verify_budget=args.verify_budget)
+    env = build_env(args.config, trace=args.trace, verify_budget=args.verify_budget,
+                    load_profile=load_profile(args.config, args.load_profile))
     preflight()
     os.execvpe(argv[0], argv, env)
 
@@ -343,6 +380,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verify-budget", type=int, metavar="ROWS",
                    help="load-aware trees: when batch size x ndt would exceed ROWS verified rows per step, run a "
                         "smaller bank shape (down to one drafted token); default: no cap")
+    p.add_argument("--load-profile", metavar="PROFILE",
+                   help="load-aware trees from the served step's cost profile (a file or a shipped profile name): at "
+                        "batch > 1 the controller runs the bank shape expected to give the most tokens/s; 'none' turns "
+                        f"it off; default 'auto': {SERVED_CPU_PROFILE} for adaptive policies on the embedded pair on a "
+                        "CPU, else none")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
@@ -352,7 +394,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One shell line: the plugin's environment variables, then the command."""
-    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, LOAD_PROFILE_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
     shown = [f"{k}={shlex.quote(env[k])}" for k in keys if k in env]
     return " ".join(shown + [shlex.join(argv)])
 
@@ -364,7 +406,7 @@ def run_serve(args: argparse.Namespace) -> int:
         refuse_unservable(args.config)
         argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
         env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"}, trace=args.trace,
-                        verify_budget=args.verify_budget)
+                        verify_budget=args.verify_budget, load_profile=load_profile(args.config, args.load_profile))
         print(format_command(argv, env))
         return 0
     serve(args)

@@ -43,13 +43,15 @@ def free_port() -> int:
 
 def served_command(config: str | Path, port: int, *, trace: str | Path | None = None,
                    extra_args: Sequence[str] = (), device: str | None = None,
-                   verify_budget: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of ``adaptivespec serve --config CONFIG`` (what the CLI would exec)."""
+                   verify_budget: int | None = None, load_profile: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of ``adaptivespec serve --config CONFIG`` (what the CLI would exec);
+    ``load_profile`` as ``serve --load-profile`` (None: ``auto``)."""
     from adaptivespec.sglang import serve
 
     serve.refuse_unservable(config)
     argv = serve.build_command(config, port=port, extra_args=list(extra_args), device=device)
-    env = serve.build_env(config, device=device, trace=trace, verify_budget=verify_budget)
+    env = serve.build_env(config, device=device, trace=trace, verify_budget=verify_budget,
+                          load_profile=serve.load_profile(config, load_profile, device=device))
     return argv, env
 
 
