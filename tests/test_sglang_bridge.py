@@ -7,6 +7,8 @@ the way ``verify_tree_greedy_func`` does) is written for this test from the kern
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from adaptivespec.sglang.policy_bridge import (
     kv_alloc_len_per_decode,
     parents_from_retrieve,
     retrieve_from_parents,
+    sglang_shape,
     sglang_shape_problem,
     wrap_verify,
 )
@@ -116,7 +119,7 @@ def test_pending_steps_pair_with_accepts_in_launch_order():
 
 def test_load_aware_controller_shrinks_the_tree_as_the_batch_grows():
     traced = []
-    c = TripletController(StubPolicy(), verify_budget=16, on_trace=lambda r, bs: traced.append((r.shape, bs, r.policy_state)))
+    c = TripletController(StubPolicy(), verify_budget=16, on_trace=lambda r, bs, gap: traced.append((r.shape, bs, r.policy_state)))
     floor = TreeShape(1, 1, 2)  # one draft step, one drafted token, the bank's smallest topk
     assert c.shapes == (floor, WIDE, MID, DEEP)
     assert c.begin_step(probs(0.9)) == DEEP  # bs 1: 8 rows fit 16
@@ -168,7 +171,7 @@ def test_load_model_shrinks_the_tree_when_rows_cost_more_than_they_return():
 def test_controller_with_a_load_model_runs_the_cheaper_shape_and_learns_from_what_ran():
     traced = []
     load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0))
-    c = TripletController(StubPolicy(), load=load, on_trace=lambda r, bs: traced.append((r.shape, bs, r.policy_state)))
+    c = TripletController(StubPolicy(), load=load, on_trace=lambda r, bs, gap: traced.append((r.shape, bs, r.policy_state)))
     floor = TreeShape(1, 1, 2)
     assert floor in c.shapes  # the floor joins the bank
     assert c.begin_step(probs(0.9)) == DEEP  # batch 1: the policy's shape
@@ -179,7 +182,32 @@ def test_controller_with_a_load_model_runs_the_cheaper_shape_and_learns_from_wha
     c.observe([1, 1, 1])
     assert load.accepted(DEEP) == 2.0 and load.accepted(WIDE) == 1.0
     assert traced[1][2]["load_capped_from"] == str(DEEP)
-    assert all(r.other_ms >= 0 for r in c.policy.records)  # each step's host time is recorded
+    assert all(r.verify_ms >= 0 for r in c.policy.records)  # each step's host time is recorded
+    # the time between steps is known only while the batch stays the same
+    gaps = []
+    g = TripletController(StubPolicy(), on_trace=lambda r, bs, gap: gaps.append(gap))
+    for ids in (["a"], ["a"], ["a", "b"], ["a", "b"]):
+        g.begin_step(probs(*[0.5] * len(ids)), ids)
+        g.observe([1] * len(ids))
+    assert gaps[0] is None and gaps[1] >= 0 and gaps[2] is None and gaps[3] >= 0
+
+
+def test_shapes_deeper_than_their_tree_run_at_the_depth_the_tree_can_hold():
+    # (6, 4, 4) verifies 3 drafted nodes: they lie within 3 levels; SGLang 0.5.23 crashes drafting 6
+    assert sglang_shape(TreeShape(6, 4, 4)) == TreeShape(3, 4, 4)
+    assert sglang_shape(TreeShape(6, 4, 12)) == TreeShape(6, 4, 12)
+    assert sglang_shape(TreeShape(6, 1, 4)) == TreeShape(3, 1, 4) and sglang_shape_problem(TreeShape(3, 1, 4)) is None
+
+    class Shallow(StubPolicy):
+        def shapes(self):
+            return (TreeShape(6, 4, 4), TreeShape(6, 4, 12))
+
+        def next_shape(self, signals):
+            return TreeShape(6, 4, 4)
+
+    c = TripletController(Shallow())
+    assert c.shapes == (TreeShape(3, 4, 4), TreeShape(6, 4, 12))
+    assert c.begin_step(probs(0.9)) == TreeShape(3, 4, 4)
 
 
 def test_new_request_resets_the_policy_and_drops_stale_steps():
@@ -223,12 +251,8 @@ def test_undeclared_shape_and_unrunnable_shapes_are_refused():
     with pytest.raises(ShapeNotInBankError, match=r"\(4,2,5\).*\(3,4,4\), \(5,2,6\), \(7,1,8\)"):
         TripletController(Liar()).begin_step(probs(0.5))
 
-    class Chain(StubPolicy):
-        def shapes(self):
-            return (TreeShape(7, 1, 6),)
-
-    with pytest.raises(AdaptiveSpecError, match=r"\(7,1,6\).*ndt == nsteps \+ 1"):
-        TripletController(Chain())
+    # a chain of 3 cannot fill 6 slots (TreeShape refuses it; SGLang's topk=1 path says why)
+    assert "ndt == nsteps + 1" in sglang_shape_problem(types.SimpleNamespace(nsteps=3, topk=1, ndt=6))
     with pytest.raises(AdaptiveSpecError, match="batch_reduce"):
         TripletController(StubPolicy(), batch_reduce="median")
     assert sglang_shape_problem(DEEP) is None and sglang_shape_problem(WIDE) is None

@@ -1,7 +1,8 @@
 """Fit the cost model of a *served* decode step from ``adaptivespec serve --trace`` files.
 
-Each trace line holds a step's shape, batch size and time (``ms``: from the shape's choice to the
-accept lengths, i.e. the draft and the verify of that step). The fit is the same linear model the
+Each trace line holds a step's shape, batch size and times (``ms``: from the shape's choice to the
+accept lengths, i.e. the draft and the verify; ``gap_ms``: the rest of the previous step, when the
+batch stayed the same); a whole step is one line's ``ms`` plus the next line's ``gap_ms``. The fit is the same linear model the
 torch runtime's profiles use (:class:`~adaptivespec.costmodel.CostModel`), with a batch's work
 summed over its requests: ``verified = bs * ndt`` rows, ``levels = nsteps`` draft forwards,
 ``nodes = bs * nsteps * topk`` drafted nodes::
@@ -27,18 +28,34 @@ from pathlib import Path
 from adaptivespec.costmodel import CostModel, machine_info
 
 
+def step_times(records: list[dict]) -> list[tuple[int, tuple[int, int, int], float]]:
+    """``(bs, shape, ms)`` per whole step of one server's trace lines, in order: a step's draft and
+    verify (``ms``) plus the rest of it (the next line's ``gap_ms``: its draft extension and the
+    scheduler, known when the batch stayed the same). Traces written before ``gap_ms`` existed
+    give ``ms`` alone."""
+    whole = any("gap_ms" in r for r in records)
+    out = []
+    for i, rec in enumerate(records):
+        ms = rec.get("ms")
+        if ms is None:
+            continue
+        if whole:
+            nxt = records[i + 1] if i + 1 < len(records) else None
+            if nxt is None or nxt.get("gap_ms") is None or nxt["bs"] != rec["bs"]:
+                continue
+            ms = ms + nxt["gap_ms"]
+        out.append((int(rec["bs"]), tuple(rec["shape"]), float(ms)))
+    return out
+
+
 def cells(paths: list[Path], max_ms: float, min_steps: int) -> dict[tuple[int, tuple[int, int, int]], list[float]]:
-    """Step times per ``(batch size, shape)`` from trace files (lines without ``ms`` are skipped)."""
+    """Whole-step times per ``(batch size, shape)`` from trace files (:func:`step_times`)."""
     out: dict[tuple[int, tuple[int, int, int]], list[float]] = collections.defaultdict(list)
     for path in paths:
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            ms = rec.get("ms")
-            if ms is None or ms <= 0 or ms > max_ms:
-                continue
-            out[(int(rec["bs"]), tuple(rec["shape"]))].append(float(ms))
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for bs, shape, ms in step_times(records):
+            if 0 < ms <= max_ms:
+                out[(bs, shape)].append(ms)
     return {k: v for k, v in out.items() if len(v) >= min_steps}
 
 

@@ -41,6 +41,7 @@ from adaptivespec.sglang.policy_bridge import (
     TripletController,
     build_strategies,
     format_shapes,
+    sglang_shape,
     step_level_notice,
     wrap_verify,
 )
@@ -71,7 +72,7 @@ def register() -> None:
 
         assert_api()
         config = load_config(path)
-        ShapeStateBank(build_strategies(config)[0].shapes())  # refuse shapes SGLang cannot run, now
+        ShapeStateBank({sglang_shape(s) for s in build_strategies(config)[0].shapes()})  # refuse what SGLang cannot run, now
         _install(path)
     except Exception as exc:
         _refuse_eagle_worker(f"{type(exc).__name__}: {exc}")
@@ -356,9 +357,11 @@ def _is_cpu_device(device: Any) -> bool:
 class StepTrace:
     """JSON lines, one per observed decode step, appended to the file ``ADAPTIVESPEC_SGLANG_TRACE``
     names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "bs",
-    "accepted", "ms", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the batch as
-    the policy sees it; ``ms``: host time from the shape's choice to the accept lengths, the draft
-    and verify of the step). Line-buffered: a reader sees every finished step."""
+    "accepted", "ms", "gap_ms", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the
+    batch as the policy sees it; ``ms``: host time from the shape's choice to the accept lengths,
+    the draft and verify of the step; ``gap_ms``: from the previous step's accept lengths to this
+    step's start when the batch is the same, i.e. the rest of the previous step -- its draft
+    extension and the scheduler --, else null). Line-buffered: a reader sees every finished step."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -371,12 +374,12 @@ class StepTrace:
         path = os.environ.get(TRACE_ENV, "").strip()
         return cls(path) if path else None
 
-    def write(self, record, batch_size: int) -> None:
+    def write(self, record, batch_size: int, gap_ms: float | None = None) -> None:
         import json
 
         s = record.shape
         line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
-                "ms": round(record.other_ms, 3), "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+                "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3), "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
         self._file.write(json.dumps(line) + "\n")
 
 

@@ -66,6 +66,18 @@ def sglang_shape_problem(shape: TreeShape) -> str | None:
     return None
 
 
+def sglang_shape(shape: TreeShape) -> TreeShape:
+    """The shape SGLang runs for ``shape``: no deeper than ``ndt - 1`` levels.
+
+    A verified tree of ``ndt`` nodes (the root and the ``ndt - 1`` best drafted nodes, a set closed
+    under ancestors, since a node's score never exceeds its parent's) holds no node deeper than
+    ``ndt - 1``, so drafting further levels changes nothing but the cost; and SGLang 0.5.23's verify
+    compacts ``nsteps + 1`` accepted rows into ``ndt`` slots, which fails when ``nsteps >= ndt``
+    (``_compact_accept_to_front``: "expanded size ... must match"), e.g. cost_aware's ``(6, 4, 4)``.
+    """
+    return TreeShape(min(shape.nsteps, shape.ndt - 1), shape.topk, shape.ndt) if shape.ndt >= 2 else shape
+
+
 def load_floor_shape(shapes: Iterable[TreeShape]) -> TreeShape:
     """The smallest tree a load-aware controller falls back to under a large batch: one draft
     step, one drafted token verified (``ndt = 2``), at the bank's smallest ``topk`` (SGLang's EAGLE
@@ -105,6 +117,7 @@ class _PendingStep:
     batch_size: int = 1
     promoted: list[int] | None = None
     started: float = 0.0  # perf_counter() when the shape was chosen (before drafting)
+    gap_ms: float | None = None  # from the previous step's accept lengths to this start, same batch
 
 
 class LoadModel:
@@ -190,7 +203,7 @@ class TripletController:
         *,
         batch_reduce: str = "mean",
         on_record: Callable[[StepRecord], None] | None = None,
-        on_trace: Callable[[StepRecord, int], None] | None = None,
+        on_trace: Callable[[StepRecord, int, float | None], None] | None = None,
         verify_budget: int | None = None,
         load: LoadModel | None = None,
     ) -> None:
@@ -198,7 +211,7 @@ class TripletController:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
         if verify_budget is not None and verify_budget < 2:
             raise AdaptiveSpecError(f"verify_budget: expected at least 2 verified rows per step, got {verify_budget}")
-        own = set(policy.shapes())
+        own = {sglang_shape(s) for s in policy.shapes()}
         if (verify_budget is not None or load is not None) and own:
             own.add(load_floor_shape(own))
         shapes = tuple(sorted(own))
@@ -220,6 +233,7 @@ class TripletController:
         self._step = 0
         self._last_accepted = -1
         self._last_requests: frozenset | None = None
+        self._observed_at: float | None = None  # perf_counter() of the last observe
 
     def reset(self) -> None:
         """Start a new sequence: the policy forgets its history; steps still in flight are dropped."""
@@ -236,8 +250,11 @@ class TripletController:
         """
         if topk_p.shape[0] == 0:
             return None
+        now, gap_ms = time.perf_counter(), None
         if request_ids is not None:
             ids = frozenset(request_ids)
+            if ids == self._last_requests and self._observed_at is not None and not self._pending:
+                gap_ms = (now - self._observed_at) * 1e3  # the same batch: nothing else ran in between
             if self._last_requests is not None and not (ids & self._last_requests):
                 self.reset()
             self._last_requests = ids
@@ -246,7 +263,7 @@ class TripletController:
             draft_top1_prob=draft_top1_prob(topk_p, self.batch_reduce),
             last_accepted=self._last_accepted,
         )
-        shape = self.policy.next_shape(signals)
+        shape = sglang_shape(self.policy.next_shape(signals))
         if shape not in self.shapes:
             raise ShapeNotInBankError(
                 f"policy {self.policy.name!r} chose {shape}, which is not among the shapes it declared "
@@ -258,7 +275,7 @@ class TripletController:
         if run != shape:
             state["load_capped_from"] = str(shape)
         self._pending.append(_PendingStep(self._step, self._epoch, run, signals, state, batch_size=bs,
-                                          started=time.perf_counter()))
+                                          started=now, gap_ms=gap_ms))
         self._step += 1
         return run
 
@@ -294,7 +311,8 @@ class TripletController:
         p = self._pending.popleft()
         if p.epoch != self._epoch:
             return None
-        step_ms = (time.perf_counter() - p.started) * 1e3
+        self._observed_at = time.perf_counter()
+        step_ms = (self._observed_at - p.started) * 1e3
         mean_accepted = _reduce([int(a) for a in num_correct_drafts_per_req], "mean")
         if self.load is not None:
             self.load.observe(p.shape, mean_accepted)
@@ -307,9 +325,12 @@ class TripletController:
             accepted=accepted,
             promoted=promoted,
             new_tokens=accepted + 1,
-            draft_ms=0.0,  # phases not timed inside the server: that would add a device sync per phase
-            verify_ms=0.0,
-            other_ms=step_ms,  # host time from the shape's choice to the accept lengths (no sync added)
+            # host times, no device sync added: the draft and the verify together (from the shape's
+            # choice to the accept lengths), and the rest of the previous step (its draft extension
+            # and the scheduler, from its accept lengths to this step's start; 0 when the batch changed)
+            draft_ms=0.0,
+            verify_ms=step_ms,
+            other_ms=p.gap_ms or 0.0,
             signals=p.signals,
             policy_state=p.policy_state,
         )
@@ -319,7 +340,7 @@ class TripletController:
         if self.on_record is not None:
             self.on_record(record)
         if self.on_trace is not None:
-            self.on_trace(record, p.batch_size)
+            self.on_trace(record, p.batch_size, p.gap_ms)
         return record
 
 

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang import CONFIG_ENV, PLUGIN_NAME
 from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
-from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies
+from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies, sglang_shape
 from adaptivespec.types import TreeShape
 
 INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
@@ -174,10 +174,11 @@ def unservable(config_path: str | Path) -> str | None:
 
 
 def bank_shapes(config_path: str | Path) -> tuple[tuple[TreeShape, ...], TreeShape]:
-    """The config's policy shapes and the largest, which the server starts at."""
+    """The config's policy shapes as SGLang runs them (:func:`sglang_shape`) and the largest, which
+    the server starts at."""
     from adaptivespec.config import load_config
 
-    bank = ShapeStateBank(build_strategies(load_config(config_path))[0].shapes())
+    bank = ShapeStateBank({sglang_shape(s) for s in build_strategies(load_config(config_path))[0].shapes()})
     return bank.shapes, bank.max_shape()
 
 
