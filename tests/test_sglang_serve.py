@@ -177,6 +177,7 @@ def test_cpu_command_has_device_dtype_and_kv_size(config):
     assert flag(argv, "--device") == "cpu" and flag(argv, "--dtype") == "bfloat16"
     assert int(flag(argv, "--max-total-tokens")) >= 8192
     assert flag(argv, "--host") == "127.0.0.1"
+    assert argv.count("--sleep-on-idle") == 1  # an idle CPU server does not busy-poll a core
     # what the user passes after -- wins and is not doubled
     argv = serve.build_command(config, TARGET, DRAFTER, extra_args=["--max-total-tokens", "4096"], device="cpu")
     assert argv.count("--max-total-tokens") == 1 and flag(argv, "--max-total-tokens") == "4096"
@@ -185,6 +186,7 @@ def test_cpu_command_has_device_dtype_and_kv_size(config):
 def test_gpu_command_is_unchanged_by_the_cpu_path(config):
     argv = serve.build_command(config, TARGET, DRAFTER, device="cuda")
     assert "--device" not in argv and "--dtype" not in argv and "--max-total-tokens" not in argv
+    assert "--sleep-on-idle" not in argv
     env = serve.build_env(config, {"PATH": "/bin"}, device="cuda")
     assert "SGLANG_USE_CPU_ENGINE" not in env and "LD_PRELOAD" not in env
 

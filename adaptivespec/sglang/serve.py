@@ -104,7 +104,9 @@ def kv_tokens(target: str, available: int | None = None, budget: int = KV_BUDGET
 def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
     """The flags a CPU server needs (those the user already passes after ``--`` are left out):
     ``--device cpu``, ``--dtype bfloat16`` (the draft otherwise runs float16 against a bf16 target
-    and the AMX GEMM refuses the mix) and ``--max-total-tokens`` (:func:`kv_tokens`)."""
+    and the AMX GEMM refuses the mix), ``--max-total-tokens`` (:func:`kv_tokens`) and
+    ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls 20-40% of a core, taken from
+    whatever else runs on the machine; it wakes on the next request)."""
     given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
     for i, a in enumerate(extra_args):
         value = a.split("=", 1)[1] if a.startswith("--dtype=") else (
@@ -116,6 +118,8 @@ def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
     for flag, value in (("--device", "cpu"), ("--dtype", "bfloat16"), ("--max-total-tokens", None)):
         if flag not in given:
             out += [flag, value if value is not None else str(kv_tokens(target))]
+    if "--sleep-on-idle" not in given:
+        out.append("--sleep-on-idle")
     return out
 
 
