@@ -38,6 +38,7 @@ from adaptivespec.errors import AdaptiveSpecError
 
 __all__ = ["Constraint", "GrammarBackend", "ResponseFormat", "ResponseFormatError"]
 
+
 class ResponseFormatError(AdaptiveSpecError, ValueError):
     """A response format the grammar engine cannot compile (or xgrammar missing)."""
 
