@@ -41,8 +41,11 @@ class GrammarParams:
     """Estimated acceptance of every proposed node (1: ranked before every other candidate)."""
     extra_slots: int = attrs.field(default=8, validator=int_at_least(0))
     """Verify slots granted beyond the policy's ndt when the chain is proposed."""
-    skip_draft_min: int | None = attrs.field(default=None, validator=optional_positive_int)
-    """Skip the head's draft passes when the chain is at least this long (null: never)."""
+    skip_draft_min: int | None = attrs.field(default=1, validator=optional_positive_int)
+    """Skip the head's draft passes when the chain is at least this long (null: never). Default 1:
+    where the grammar forces the text, the head's drafts below the root are legal only where they
+    repeat the chain, so its passes are mostly wasted (tuning slice of the ``structured`` set,
+    ``hybrid``: 1.79x constrained ar with 1, 1.77x with 3, 1.67x never)."""
 
 
 class GrammarSource(CandidateSource):
