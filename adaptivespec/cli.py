@@ -54,14 +54,20 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--config", required=True, help="YAML config (see configs/)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (a user message)")
-    src.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "id"?: ..., "seed"?: ...} per line '
-                     '(at temperature > 0 record i uses generation.seed + i unless it has its own "seed")')
+    src.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "id"?: ..., "seed"?: ..., "response_format"?: {...}} '
+                     'per line (at temperature > 0 record i uses generation.seed + i unless it has its own "seed"; '
+                     'a record\'s "response_format" replaces generation.response_format for it)')
     p.add_argument("--max-new-tokens", type=positive_int, help="override generation.max_new_tokens")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set verifier.kappa=0.5 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON line per prompt instead of streaming")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     p.add_argument("--trace", metavar="FILE.jsonl", help="write every decode step's record to this file")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE.json",
+                     help="constrain the output to this JSON schema (generation.response_format={type: json_schema, schema: FILE})")
+    fmt.add_argument("--regex", metavar="PATTERN",
+                     help="constrain the output to this regular expression (generation.response_format={type: regex, pattern: ...})")
     p.set_defaults(func=run_generate)
 
 
@@ -82,6 +88,10 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
         seed = item.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise AdaptiveSpecError(f'--prompts: {path}:{n}: "seed": expected a non-negative integer, got {seed!r}')
+        if item.get("response_format") is not None:
+            from adaptivespec.config import parse_response_format
+
+            item["response_format"] = parse_response_format(item["response_format"], f"--prompts: {path}:{n}")
         prompts.append(item)
     if not prompts:
         raise AdaptiveSpecError(f"--prompts: {path}: no prompts in the file")
@@ -111,9 +121,13 @@ def run_generate(args) -> int:
     overrides = list(args.overrides)
     if args.max_new_tokens:
         overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
+    if getattr(args, "json_schema", None) is not None:
+        overrides.append("generation.response_format=" + json.dumps({"type": "json_schema", "schema": args.json_schema}))
+    if getattr(args, "regex", None) is not None:
+        overrides.append("generation.response_format=" + json.dumps({"type": "regex", "pattern": args.regex}))
     config = load_config(args.config, overrides)
     prompts = [{"prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts)
-    engine = Engine(config)
+    engine = Engine(config, structured=any(item.get("response_format") is not None for item in prompts))
     trace = open(args.trace, "w") if args.trace else None
     try:
         for i, item in enumerate(prompts):
@@ -125,7 +139,8 @@ def run_generate(args) -> int:
                     trace.write(json.dumps({"id": pid, **record.to_dict()}) + "\n")
             streamer = None if args.json else _Streamer(engine.tokenizer)
             ids = engine.encode(item["prompt"], raw=args.raw)
-            result = engine.generate_ids(ids, on_tokens=streamer, on_step=on_step, seed=seed)
+            result = engine.generate_ids(ids, on_tokens=streamer, on_step=on_step, seed=seed,
+                                         response_format=item.get("response_format"))
             s = result.stats
             if args.json:
                 print(json.dumps({"id": pid, "text": result.text, "token_ids": result.token_ids, "stats": s}), flush=True)

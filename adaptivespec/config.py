@@ -12,6 +12,7 @@ default: none), whose proposals are verified beside the drafter's tree, or alone
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from pathlib import Path
@@ -77,6 +78,99 @@ def one_of(*choices: str):
     return check
 
 
+# -- structured output ---------------------------------------------------------------------------
+RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "regex", "ebnf")
+
+
+def _load_schema(value: Any) -> Any:
+    """A schema given as a mapping stays one; a string is a JSON file path, else inline JSON."""
+    if isinstance(value, dict) or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        p = Path(value).expanduser()
+        text = value
+        if not value.lstrip().startswith("{"):
+            if not p.is_file():
+                raise ValueError(f"schema: expected a JSON schema mapping or a .json file, got {value!r} (no such file)")
+            text = p.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"schema: {value!r} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(data, (dict, bool)):
+            raise ValueError(f"schema: expected a JSON object, got {type(data).__name__} from {value!r}")
+        return data
+    raise ValueError(f"schema: expected a JSON schema mapping or a .json file, got {value!r}")
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ResponseFormat:
+    """``generation.response_format``: what the output must match.
+
+    ``{type: json_schema, schema: {...} | FILE.json}``, ``{type: json_object}`` (any JSON
+    object), ``{type: regex, pattern: ...}``, ``{type: ebnf, grammar: ...}`` (GBNF, root rule
+    ``root``). JSON output is written compactly on one line (``", "`` and ``": "``
+    separators, no other whitespace) unless ``whitespace: any``; compact JSON is what makes
+    keys and punctuation forced (the ``grammar`` source drafts them for free).
+    """
+
+    type: str = attrs.field(validator=one_of(*RESPONSE_FORMAT_TYPES))
+    """``json_schema``, ``json_object``, ``regex`` or ``ebnf``."""
+    schema: Any = None
+    """``json_schema``: the schema, as a mapping, a JSON string or the path of a JSON file."""
+    pattern: str | None = None
+    """``regex``: the regular expression the whole output matches."""
+    grammar: str | None = None
+    """``ebnf``: the grammar (xgrammar's GBNF; the start rule is ``root``)."""
+    whitespace: str = attrs.field(default="compact", validator=one_of("compact", "any"))
+    """JSON types: ``compact`` (one line, ``", "`` / ``": "``) or ``any`` (any whitespace
+    between tokens, xgrammar's default)."""
+
+    def __attrs_post_init__(self) -> None:
+        need = {"json_schema": "schema", "regex": "pattern", "ebnf": "grammar"}.get(self.type)
+        for key in ("schema", "pattern", "grammar"):
+            value = getattr(self, key)
+            if key == need and value is None:
+                raise ValueError(f"{key}: expected a value for type {self.type}, got nothing")
+            if key != need and value is not None:
+                raise ValueError(f"{key}: not used by type {self.type} (it takes {need or 'no other key'})")
+        if self.schema is not None:
+            object.__setattr__(self, "schema", _load_schema(self.schema))
+        for key in ("pattern", "grammar"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise ValueError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        from adaptivespec.constraints import check_compiles  # the grammar engine, only when a format is set
+
+        check_compiles(self)
+
+    # -- identity ---------------------------------------------------------------------------
+    def key(self) -> tuple:
+        schema = json.dumps(self.schema, sort_keys=True) if self.schema is not None else None
+        return (self.type, schema, self.pattern, self.grammar, self.whitespace)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ResponseFormat) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        for key in ("schema", "pattern", "grammar"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.whitespace != "compact":
+            out["whitespace"] = self.whitespace
+        return out
+
+
+def parse_response_format(value: Any, where: str, key: str = "response_format") -> ResponseFormat | None:
+    """A response format from a raw mapping (a ``--prompts`` record, a CLI flag); errors name ``key``."""
+    if value is None:
+        return None
+    return structure(ResponseFormat, value, where, key)
+
+
 # -- the schema ------------------------------------------------------------------------------
 @attrs.frozen(kw_only=True)
 class ModelConfig:
@@ -134,6 +228,15 @@ class GenerationConfig:
     seed: int = attrs.field(default=0, validator=number_in(0, None))
     """Seed of the sampling generator: record i of a run uses seed + i unless it carries its own
     ``"seed"``. Same seed, config and machine: same output. Ignored at temperature 0."""
+    response_format: ResponseFormat | None = None
+    """Structured output (null: free text): ``{type: json_schema, schema: {...} | FILE}``,
+    ``{type: json_object}``, ``{type: regex, pattern: ...}`` or ``{type: ebnf, grammar: ...}``
+    (see :class:`adaptivespec.config.ResponseFormat`). Every path is constrained: the
+    target's logits are masked by the grammar before the verifier's rule or the AR pick."""
+    grammar_draft: bool = True
+    """With a response format, a speculative config (a drafter or a source) that lists no
+    ``grammar`` source drafts with one (default parameters) too: the grammar's forced
+    continuation, fused into the tree. false: only the listed sources (for comparison)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,7 +261,8 @@ class Config:
             "runtime": attrs.asdict(self.runtime),
             "policy": self.policy.to_dict(),
             "verifier": self.verifier.to_dict(),
-            "generation": attrs.asdict(self.generation),
+            "generation": {**attrs.asdict(self.generation, recurse=False), "response_format": (
+                self.generation.response_format.to_dict() if self.generation.response_format is not None else None)},
             **({"sources": [s.to_dict() for s in self.sources]} if self.sources else {}),
         }
 
@@ -178,6 +282,8 @@ def _describe(tp: Any) -> str:
         return " or ".join("null" if a is type(None) else _describe(a) for a in args)
     if typing.get_origin(tp) in (tuple, list):
         return f"a list of {_describe(args[0])}s" if args else "a list"
+    if attrs.has(tp):
+        return "a mapping"
     return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -189,13 +295,17 @@ def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        inner_error = None
         for a in args:
             if a is type(None):
                 continue
             try:
                 return _convert(a, value, where, key)
-            except ConfigError:
-                pass
+            except ConfigError as exc:
+                if attrs.has(a) and isinstance(value, dict):  # the mapping's own error says more
+                    inner_error = exc
+        if inner_error is not None:
+            raise inner_error
     elif origin in (tuple, list) and isinstance(value, (list, tuple)):
         inner = args[0] if args else Any
         items = [_convert(inner, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -232,7 +342,10 @@ def structure(cls: type, data: Any, where: str, path: str) -> Any:
         bad = next((n for n in kwargs if f"'{n}'" in str(exc) or str(exc).startswith(n)), None)
         failing = _failing_key(cls, kwargs) or bad
         key = f"{path}.{failing}" if failing and path else (failing or path)
-        raise ConfigError(where, key, str(exc)) from None
+        message = str(exc)
+        if failing and message.startswith(f"{failing}: "):  # the key is already in front
+            message = message[len(failing) + 2:]
+        raise ConfigError(where, key, message) from None
 
 
 def _failing_key(cls: type, kwargs: dict[str, Any]) -> str | None:

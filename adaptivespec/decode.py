@@ -5,6 +5,12 @@ the per-step observer hook is called only when a plugin implements it. What the 
 at each step (the candidate sources, the head's draft, their fusion and who proposed what) is
 the proposal stage's business (:mod:`adaptivespec.proposal`); one step reads top to bottom in
 :meth:`Engine._step`.
+
+With a response format (structured output) the generation's grammar state
+(:class:`~adaptivespec.constraints.Constraint`) masks every logits row the target's next token is
+picked or verified from: the runtime's prefill and plain steps through its ``logits_processor``,
+the verify tree's rows in :meth:`Engine._step` before the verifier's rule; the emitted tokens
+advance it in :meth:`Engine._take`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from adaptivespec.config import Config
 from adaptivespec.models import DTYPES, encode_prompt, load_target
-from adaptivespec.proposal import Proposer
+from adaptivespec.proposal import Proposer, structured_sources
 from adaptivespec.sampling import Sampler, check_sampling
 from adaptivespec.types import StepRecord
 
@@ -58,7 +64,10 @@ class Engine:
     """A target, a drafter, a tree policy, candidate sources (the proposal stage) and a verifier,
     ready to generate."""
 
-    def __init__(self, config: Config, host=None) -> None:
+    def __init__(self, config: Config, host=None, *, structured: bool = False) -> None:
+        """``structured``: prompts may carry their own response format (``generate_ids(...,
+        response_format=...)``) even where the config sets none, so the sources that draft from
+        the grammar are set up as if it did."""
         if host is None:
             from adaptivespec.plugins import get_plugin_host
 
@@ -75,12 +84,17 @@ class Engine:
         if self.sampler is not None:
             self.runtime.sampler = self.verifier.sampler = self.sampler
         sources = [host.sources.get(s.name).cls(s.params) for s in config.sources]
+        self.structured = structured or config.generation.response_format is not None
+        if self.structured and config.generation.grammar_draft and not config.autoregressive:
+            sources += structured_sources(host, listed=[s.name for s in sources])
         self.proposer = Proposer(self.runtime, policy, sources)
         if self.proposer.active:  # one executor per shape the policy may choose, built up front
             self.runtime.prepare(policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512,
                                  extra_rows=self.proposer.extra_slots())
         self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else None
         self._observe = host.has_observers("adaptivespec_step")
+        self.constraint = None
+        """The running generation's grammar state (None: free text)."""
 
     @property
     def policy(self):
@@ -108,9 +122,18 @@ class Engine:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
 
     def generate(self, text: str, *, raw: bool = False, max_new_tokens: int | None = None, on_tokens=None,
-                 seed: int | None = None) -> GenerationResult:
-        result = self.generate_ids(self.encode(text, raw), max_new_tokens=max_new_tokens, on_tokens=on_tokens, seed=seed)
-        return result
+                 seed: int | None = None, response_format=None) -> GenerationResult:
+        return self.generate_ids(self.encode(text, raw), max_new_tokens=max_new_tokens, on_tokens=on_tokens, seed=seed,
+                                 response_format=response_format)
+
+    def make_constraint(self, response_format=None):
+        """A fresh grammar state for ``response_format`` (default: the config's), or None (free text)."""
+        fmt = response_format if response_format is not None else self.config.generation.response_format
+        if fmt is None:
+            return None
+        from adaptivespec.constraints import GrammarBackend  # imports xgrammar: only for structured output
+
+        return GrammarBackend.for_tokenizer(self.tokenizer, self.target.config.vocab_size).constraint(fmt)
 
     def generate_ids(
         self,
@@ -120,11 +143,14 @@ class Engine:
         on_tokens: Callable[[list[int]], None] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         seed: int | None = None,
+        response_format=None,
     ) -> GenerationResult:
         """Generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids.
 
         Greedy at ``generation.temperature`` 0; otherwise sampled, the generator reseeded with
-        ``seed`` (default ``generation.seed``) so that a seed always gives the same output."""
+        ``seed`` (default ``generation.seed``) so that a seed always gives the same output.
+        ``response_format`` (a :class:`~adaptivespec.config.ResponseFormat`; default the
+        config's ``generation.response_format``) constrains the output."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
         if self.sampler is not None:
             self.sampler.reseed(self.config.generation.seed if seed is None else seed)
@@ -134,7 +160,9 @@ class Engine:
         records: list[StepRecord] = []
         t0 = time.perf_counter()
         self.policy.reset()
-        proposer.reset(prompt_ids)
+        self.constraint = constraint = self.make_constraint(response_format)
+        rt.logits_processor = constraint.mask_next if constraint is not None else None
+        proposer.reset(prompt_ids, constraint)
         done = self._take(out, [rt.prefill(prompt_ids, limit)], limit, on_tokens)
         proposer.extend(out)
         forwards, promoted, last_accepted, step = 1, 0, -1, 0
@@ -163,6 +191,8 @@ class Engine:
         }
         if speculative:
             stats["accepted_by_source"] = dict(proposer.accepted)
+        if constraint is not None:  # host time computing and applying the grammar's masks, per target forward
+            stats["mask_ms_per_step"] = constraint.mask_seconds * 1e3 / max(constraint.mask_calls, 1)
         proposer.finish(out)
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         res = GenerationResult(token_ids=out, text=text, stats=stats, records=records)
@@ -183,10 +213,12 @@ class Engine:
         tree = proposal.tree
         t_draft = time.perf_counter()
         # 2. verify: one target forward over the tree (logits [n, V], one row per node), then the
-        #    verifier's rule. Logits processing (e.g. a constraint masking each node's row) goes
-        #    here, between the forward and the rule.
+        #    verifier's rule. Logits processing goes between the two: with a response format every
+        #    node's row is masked by the grammar along its path (a forbidden token gets p = 0).
         logits, hidden = rt.verify_forward(tree)
         t_verify = time.perf_counter()
+        if self.constraint is not None:  # (its time: other_ms, and stats["mask_ms_per_step"])
+            self.constraint.mask_tree(tree, logits)
         result = self.verifier.verify(tree, logits)
         policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
         # 3. commit: emit accepted + bonus tokens; keep the accepted path in both caches
@@ -215,12 +247,16 @@ class Engine:
         return record, done
 
     def _take(self, out: list[int], tokens: list[int], limit: int, on_tokens) -> bool:
-        """Append ``tokens`` up to EOS (inclusive) or the limit; True when generation is finished."""
+        """Append ``tokens`` up to EOS (inclusive), the limit or the grammar's end; True when
+        generation is finished."""
         room = limit - len(out)
         chunk = tokens[:room]
         if self.eos is not None and self.eos in chunk:
             chunk = chunk[: chunk.index(self.eos) + 1]
+        if self.constraint is not None:  # the grammar follows the emitted tokens, up to its stop token
+            chunk = chunk[: self.constraint.accept(chunk)]
         out.extend(chunk)
         if on_tokens is not None and chunk:
             on_tokens(chunk)
-        return len(out) >= limit or (self.eos is not None and bool(chunk) and chunk[-1] == self.eos)
+        ended = self.constraint is not None and self.constraint.terminated
+        return ended or len(out) >= limit or (self.eos is not None and bool(chunk) and chunk[-1] == self.eos)

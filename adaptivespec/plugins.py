@@ -40,6 +40,7 @@ BUILTIN_PLUGINS = {
     "torch": "adaptivespec.runtime",
     "torch-cuda-graphs": "adaptivespec.cuda_graphs",
     "retrieval": "adaptivespec.sources.retrieval",
+    "grammar": "adaptivespec.sources.grammar",
 }
 
 

@@ -41,6 +41,18 @@ class Proposal:
     """Per-node origins when candidates were fused in; None: the head's tree as drafted."""
 
 
+def structured_sources(host: Any, listed: Sequence[str]) -> list[CandidateSource]:
+    """The registered sources that draft from the response format's grammar
+    (``CandidateSource.structured_default``) and are not in ``listed``, with default parameters:
+    what a speculative config gains when its output is constrained (``generation.grammar_draft``)."""
+    out = []
+    for name in host.sources.names():
+        cls = host.sources.get(name).cls
+        if getattr(cls, "structured_default", False) and name not in listed:
+            out.append(cls())
+    return out
+
+
 class Proposer:
     """Candidate sources, the head's draft, their fusion and the per-proposer accounting.
 
@@ -67,9 +79,11 @@ class Proposer:
         return max((s.extra_slots() for s in self.sources), default=0)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def reset(self, prompt_ids: list[int]) -> None:
-        """A new generation from ``prompt_ids``: the sources restart, the counts go to zero."""
+    def reset(self, prompt_ids: list[int], constraint: Any = None) -> None:
+        """A new generation from ``prompt_ids``: the sources restart (``constraint``: the
+        generation's grammar state, given to every source; None: free text), the counts go to zero."""
         for s in self.sources:
+            s.constraint = constraint
             s.reset(list(prompt_ids))
         self.accepted = {n: 0 for n in self.names if n != HEAD_NAME or self.runtime.drafter is not None}
 

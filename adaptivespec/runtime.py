@@ -50,6 +50,10 @@ class TorchRuntime:
     sampler = None
     """The engine's :class:`~adaptivespec.sampling.Sampler` at temperature > 0: prefill's first token
     and :meth:`ar_step` are drawn with it (None: greedy argmax)."""
+    logits_processor = None
+    """A callable that changes the next token's logits ([V]) in place before prefill and
+    :meth:`ar_step` pick from them; the engine sets the grammar's mask here for structured output
+    (None: the logits as computed). Verify trees are masked by the engine, not here."""
 
     def __init__(self, target, drafter=None, config=None) -> None:
         self.target = target
@@ -91,7 +95,7 @@ class TorchRuntime:
         self.cache = buffered_cache(self.target.config, length)  # appends in place (no per-step copy)
         need_hidden = self.drafter is not None
         out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
-        self.root = pick_next(self.sampler, out.logits[0, -1])
+        self.root = self._pick(out.logits[0, -1])
         self.P = ids.shape[1]
         if need_hidden:
             d = self.drafter
@@ -101,6 +105,12 @@ class TorchRuntime:
             positions = torch.arange(self.P, device=self.device)
             self._set_root(d.step(tokens, state, positions, None)[-1])
         return int(self.root)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token from the last position's logits [V] (processed first, when set)."""
+        if self.logits_processor is not None:
+            self.logits_processor(logits)
+        return pick_next(self.sampler, logits)
 
     def _set_root(self, state: torch.Tensor) -> None:
         self.root_state = state
@@ -112,7 +122,7 @@ class TorchRuntime:
         """One plain decoding step: run the root, return the next token (greedy, or drawn with the sampler)."""
         out = self.target(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
         self.P += 1
-        self.root = pick_next(self.sampler, out.logits[0, -1])
+        self.root = self._pick(out.logits[0, -1])
         return int(self.root)
 
     # -- speculative step -----------------------------------------------------------------------

@@ -126,6 +126,13 @@ class CandidateSource:
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True  # proposals are verified like any drafted node
     Params: ClassVar[type] = NoParams
+    structured_default: ClassVar[bool] = False
+    """True: with a response format (and ``generation.grammar_draft``), a speculative config that
+    does not list this source gets it with default parameters (the built-in ``grammar`` source)."""
+    constraint: Any = None
+    """The generation's grammar state (:class:`~adaptivespec.constraints.Constraint`) when a
+    response format is set, else None; the engine sets it before :meth:`reset`. Proposals need
+    not obey it (the target's masked logits reject what the grammar forbids)."""
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()

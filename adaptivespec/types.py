@@ -129,7 +129,8 @@ class StepRecord:
     verify_ms: float
     """Wall time of the target forward over the tree."""
     other_ms: float
-    """Verification rule, cache compaction, drafter extension and bookkeeping."""
+    """Verification rule (with structured output, the grammar masks before it), cache compaction,
+    drafter extension and bookkeeping."""
     signals: StepSignals | None = None
     """Signals the policy read before choosing ``shape``."""
     policy_state: dict[str, Any] = attrs.field(factory=dict)

@@ -16,7 +16,8 @@ from adaptivespec.evaluation import DATASETS, DatasetError, Problem, load_datase
 from adaptivespec.evaluation.datasets import GSM8K_INSTRUCTION, MATH_INSTRUCTION, default_path
 
 DATA = Path(default_path("gsm8k")).parent.parent
-EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "specbench": 480, "mtbench": 80, "longctx": 72}
+EXPECTED_COUNTS = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "specbench": 480, "mtbench": 80, "longctx": 72,
+                   "structured": 30}
 
 
 @pytest.fixture(scope="module")

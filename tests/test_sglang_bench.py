@@ -125,3 +125,15 @@ def test_run_bench_stops_every_server_even_when_a_generation_fails(tmp_path, mon
         bench.run_bench(spec, problems, tmp_path / "run", progress=False)
     assert len(FakeServer.instances) == 2 and all(s.stopped for s in FakeServer.instances)
     assert json.loads((tmp_path / "run" / "settings.json").read_text())["backend"] == "sglang"
+
+
+def test_a_prompts_response_format_goes_to_sglangs_constrained_decoding():
+    pytest.importorskip("xgrammar")
+    from adaptivespec.config import ResponseFormat
+
+    config = load_config(ROOT / "configs" / "eagle3.yaml")
+    c = sc.SGLangContender("sglang", config, peer="sglang", server_factory=FakeServer)
+    c.generate_ids([5, 6, 7], max_new_tokens=6, response_format=ResponseFormat(type="regex", pattern="[0-9]+"))
+    c.generate_ids([5, 6, 7], max_new_tokens=6)
+    sent = [call[3] for call in FakeServer.instances[-1].calls if call != "flush"]
+    assert sent == [{"regex": "[0-9]+"}, {}]

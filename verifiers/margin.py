@@ -110,6 +110,7 @@ class MarginVerifier(Verifier):
         if p.top_k is not None:  # inside the target's top-k at the parent
             kth = logits.topk(min(p.top_k, logits.shape[-1]), -1).values[:, -1].float()  # [n]
             passes = passes & (z_tok >= kth[parent])
+        passes = passes & (z_tok > -math.inf)  # a token the target rules out (p = 0: masked) is never promoted
         promoted = best & ~match & ~has_match[parent] & passes  # [n]; False at the root
 
         # 4. eligible nodes form one path; count promotions along it, cap, take the deepest

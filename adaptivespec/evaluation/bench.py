@@ -52,9 +52,10 @@ from adaptivespec.evaluation import categories
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.graders import grade
 
-DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 2048, "math500": 4096, "humaneval": 4096, "specbench": 1024, "mtbench": 1024, "longctx": 1024}
+DEFAULT_MAX_NEW_TOKENS = {"gsm8k": 2048, "math500": 4096, "humaneval": 4096, "specbench": 1024, "mtbench": 1024, "longctx": 1024,
+                          "structured": 192}
 """Per-dataset generation limits: the paper's (2048 for GSM8K, 4096 for MATH-500 and HumanEval);
-Spec-Bench's harness default (1024) for the two chat sets."""
+Spec-Bench's harness default (1024) for the two chat sets; 192 for the JSON records of ``structured``."""
 
 WARMUP_TOKENS = 8
 """Untimed tokens each contender generates on the first prompt before the measured run."""
@@ -138,22 +139,33 @@ def _jsonable(value: Any) -> Any:
 class ConfigContender:
     kind = "config"
 
-    def __init__(self, entry: Entry) -> None:
+    def __init__(self, entry: Entry, structured: bool = False) -> None:
         from adaptivespec.decode import Engine
 
         self.name = entry.name
-        self.engine = Engine(entry.config)
+        self.engine = Engine(entry.config, structured=structured)
         self.lossless = self.engine.lossless
 
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
 
-    def generate_ids(self, ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None):
-        return self.engine.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step, seed=seed)
+    def generate_ids(self, ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None,
+                     response_format=None):
+        return self.engine.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step, seed=seed,
+                                        response_format=response_format)
 
     def seed_for(self, index: int) -> int | None:
         """Sampling seed of prompt ``index`` (``generation.seed + index``); None when greedy."""
         return sampling_seed(self.engine.config, index)
+
+    def forget(self) -> None:
+        """Drop what candidate sources remembered (the warm-up's output never drafts a prompt)."""
+        self.engine.forget()
+
+    def prepare(self, formats) -> None:
+        """Compile the grammars of ``formats`` before the timed runs (compiled once per process)."""
+        for fmt in formats:
+            self.engine.make_constraint(fmt)
 
 
 def sampling_seed(config: Config, index: int) -> int | None:
@@ -166,13 +178,10 @@ def sampling_of(config: Config) -> dict[str, Any]:
     g = config.generation
     return {"temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p, "min_p": g.min_p, "seed": g.seed}
 
-    def forget(self) -> None:
-        """Drop what candidate sources remembered (the warm-up's output never drafts a prompt)."""
-        self.engine.forget()
 
-
-def build_contenders(spec: BenchSpec, names: set[str]) -> dict[str, Any]:
-    """Contenders for ``names`` (engines load the target once; peers reuse it)."""
+def build_contenders(spec: BenchSpec, names: set[str], structured: bool = False) -> dict[str, Any]:
+    """Contenders for ``names`` (engines load the target once; peers reuse it). ``structured``:
+    prompts carry their own response formats (a structured-output dataset)."""
     from adaptivespec.evaluation.peers import HfPeer
     from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, SGLangContender, served_config_file
 
@@ -184,7 +193,7 @@ def build_contenders(spec: BenchSpec, names: set[str]) -> dict[str, Any]:
                     out[entry.name] = SGLangContender(entry.name, entry.config,
                                                       config_path=served_config_file(entry.config, entry.name))
                 else:
-                    out[entry.name] = ConfigContender(entry)
+                    out[entry.name] = ConfigContender(entry, structured=structured)
         for peer in spec.peers:
             if peer in names:
                 if peer in SGLANG_PEERS:
@@ -209,7 +218,10 @@ def run_one(contender, problem: Problem, index: int, max_new_tokens: int) -> dic
     accepted: list[int] = []
     ids = contender.encode(problem.prompt)
     seed = contender.seed_for(index)  # record i samples with generation.seed + i
-    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: accepted.append(r.accepted), seed=seed)
+    fmt = response_format_of(problem)  # a structured-output prompt's own format (None: free text)
+    extra = {"response_format": fmt} if fmt is not None else {}
+    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: accepted.append(r.accepted),
+                                    seed=seed, **extra)
     graded = grade(problem, result.text)
     return {
         "config": contender.name,
@@ -224,6 +236,23 @@ def run_one(contender, problem: Problem, index: int, max_new_tokens: int) -> dic
         "text": result.text,
         "finished_at": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+
+
+_FORMATS: dict[str, Any] = {}
+
+
+def response_format_of(problem: Problem):
+    """The problem's own ``response_format`` (``meta``) as a validated
+    :class:`~adaptivespec.config.ResponseFormat` (parsed once per distinct format), or None."""
+    raw = problem.meta.get("response_format")
+    if raw is None:
+        return None
+    key = json.dumps(raw, sort_keys=True)
+    if key not in _FORMATS:
+        from adaptivespec.config import parse_response_format
+
+        _FORMATS[key] = parse_response_format(raw, problem.id)
+    return _FORMATS[key]
 
 
 def rotation(names: list[str], index: int) -> list[str]:
@@ -330,7 +359,8 @@ def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, prog
     done = {(r["config"], r["id"]) for r in read_records(out, repair=True)}
     todo = [(i, p, name) for i, p in enumerate(problems) for name in rotation(names, i) if (name, p.id) not in done]
     if todo:
-        contenders = build_contenders(spec, {name for _, _, name in todo})
+        structured = any(p.meta.get("response_format") is not None for p in problems)
+        contenders = build_contenders(spec, {name for _, _, name in todo}, structured=structured)
         try:
             _run_todo(spec, problems, out, todo, names, contenders, progress)
         finally:
@@ -344,12 +374,17 @@ def _run_todo(spec, problems, out, todo, names, contenders, progress) -> None:
     """Warm every contender up, then run the pending (prompt, contender) pairs in order."""
     from tqdm import tqdm
 
+    formats = {f for f in map(response_format_of, problems) if f is not None}  # structured output
     for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
         # a contender that compiles per prompt length (SGLang's CPU backend) warms up on every prompt
         for problem in problems if getattr(c, "warm_every_prompt", False) else problems[:1]:
-            c.generate_ids(c.encode(problem.prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens))
+            fmt = response_format_of(problem)
+            c.generate_ids(c.encode(problem.prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens),
+                           **({"response_format": fmt} if fmt is not None else {}))
         if hasattr(c, "forget"):
             c.forget()
+        if formats and hasattr(c, "prepare"):  # grammars compiled before any timed run
+            c.prepare(formats)
     total = len(problems) * len(names)
     bar = tqdm(total=total, initial=total - len(todo), desc=f"{spec.command} {spec.dataset}", unit="gen",
                file=sys.stderr, dynamic_ncols=True, disable=not progress)

@@ -10,6 +10,7 @@ Categories (:func:`category_of`):
   ``coding``, ``extraction``, ``stem``, ``humanities``);
 * ``math500``: the MATH subject;
 * ``longctx``: task and prompt length (``summarize-4k``, ``qa-512``, ...);
+* ``structured``: the record's own (``extract-bio``, ``extract-plot``, ``function-call``);
 * other sets have none (no per-category table).
 
 :func:`select` implements ``--categories a,b`` and ``--per-category N`` (the first N of each

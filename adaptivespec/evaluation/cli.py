@@ -25,7 +25,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", metavar="FILE.jsonl", help="read the dataset from this JSON-lines file (same fields)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="the first N problems only")
     p.add_argument("--categories", metavar="A,B", help="only these categories (specbench: mt_bench, translation, "
-                   "summarization, qa, math_reasoning, rag; mtbench: its eight; math500: subjects)")
+                   "summarization, qa, math_reasoning, rag; mtbench: its eight; math500: subjects; "
+                   "structured: extract-bio, extract-plot, function-call)")
     p.add_argument("--per-category", type=positive_int, metavar="N",
                    help="the first N problems of each category (balanced small runs)")
     defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_MAX_NEW_TOKENS.items())

@@ -20,6 +20,12 @@ Known names and what the model is asked (the ``prompt`` is sent as the single us
   ``scripts/make_longctx_set.py`` from training documents at text no draft head has seen; its
   ``tune.jsonl`` is the split for tuning.
 
+* ``structured`` (30, structured output, see ``data/structured/README.md``): extract fields from a
+  passage into a JSON schema, or answer with a JSON tool call; every record carries its own
+  ``response_format`` (kept in ``meta``; the bench constrains each prompt with it) and a
+  ``category`` (``extract-bio``, ``extract-plot``, ``function-call``). ``reference`` is None: the
+  grader checks that the output parses and validates against the schema.
+
 ``load_dataset(name, path=...)`` reads another JSON-lines file (optionally ``.gz``) with the same
 fields as the named set.
 """
@@ -135,6 +141,20 @@ def _chat(task: str) -> _Builder:
     return build
 
 
+def _structured(row: dict[str, Any], index: int) -> Problem:
+    fmt = row.get("response_format")
+    if not isinstance(fmt, dict):
+        raise KeyError("response_format")
+    return Problem(
+        id=str(row.get("id", f"structured/{index}")),
+        prompt=_text(row, "prompt"),
+        reference=None,
+        task="structured",
+        category=row.get("category"),
+        meta={"response_format": fmt, "source": row.get("source")},
+    )
+
+
 _DATASETS: dict[str, tuple[str, _Builder]] = {
     "gsm8k": ("gsm8k/test.jsonl", _gsm8k),
     "math500": ("math500/test.jsonl", _math500),
@@ -142,6 +162,7 @@ _DATASETS: dict[str, tuple[str, _Builder]] = {
     "specbench": ("specbench/question.jsonl", _chat("specbench")),
     "mtbench": ("mtbench/question.jsonl", _chat("mtbench")),
     "longctx": ("longctx/question.jsonl", _chat("longctx")),
+    "structured": ("structured/structured.jsonl", _structured),
 }
 
 DATASETS: tuple[str, ...] = tuple(_DATASETS)

@@ -62,12 +62,37 @@ def grade(problem: Problem, completion: str, *, timeout: float = 10.0) -> GradeR
         return grade_math(completion, problem.reference)
     if problem.task == "humaneval":
         return grade_humaneval(problem, completion, timeout=timeout)
+    if problem.task == "structured":
+        return grade_structured(problem, completion)
     if problem.task in ("specbench", "mtbench", "longctx"):
         return _result(None, None, f"no grader for task {problem.task!r}")
     raise AdaptiveSpecError(
         f"no grader for task {problem.task!r}; graded tasks: gsm8k, math500, humaneval "
         "(specbench, mtbench and longctx are ungraded)"
     )
+
+
+def grade_structured(problem: Problem, completion: str) -> GradeResult:
+    """Correct when the output parses as JSON and validates against the record's schema (the
+    ``jsonschema`` package; without it, parsing alone). A cut output (max tokens) fails."""
+    import json
+
+    try:
+        value = json.loads(completion)
+    except json.JSONDecodeError as exc:
+        return _result(False, None, f"not JSON ({exc.msg} at char {exc.pos})")
+    schema = problem.meta.get("response_format", {}).get("schema")
+    if schema is None:
+        return _result(True, None, "valid JSON")
+    try:
+        import jsonschema
+    except ImportError:
+        return _result(True, None, "valid JSON (jsonschema not installed: schema not checked)")
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        return _result(False, None, f"schema: {exc.message}")
+    return _result(True, None, "valid against the schema")
 
 
 # ----------------------------------------------------------------------------------------- GSM8K

@@ -109,7 +109,10 @@ class SGLangContender:
     def close(self) -> None:
         self.server.stop()
 
-    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None):
+    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None,
+                     response_format=None):
+        """``response_format`` (default: the config's) goes to SGLang as its own constrained
+        decoding's sampling parameter (``json_schema``, ``regex`` or ``ebnf``)."""
         from adaptivespec.decode import GenerationResult
 
         g = self.config.generation
@@ -119,6 +122,11 @@ class SGLangContender:
                         "sampling_seed": g.seed if seed is None else seed}
         if not g.stop_at_eos:
             sampling["ignore_eos"] = True
+        fmt = response_format if response_format is not None else g.response_format
+        if fmt is not None:
+            from adaptivespec.constraints import sglang_sampling_params
+
+            sampling.update(sglang_sampling_params(fmt))
         self._resume()
         try:
             self.server.flush_cache()

@@ -215,7 +215,9 @@ def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> li
     in that kernel: at ``generation.temperature > 0`` the combination is refused rather than
     served as something else. With ``strict``, the settings become the server's default sampling
     parameters (``--preferred-sampling-params``; each request may still set its own), unless the
-    extra arguments already pass that flag.
+    extra arguments already pass that flag. A ``generation.response_format`` joins them as
+    SGLang's own constrained-decoding parameter (``json_schema``, ``regex`` or ``ebnf``: its
+    grammar backend, xgrammar by default, masks the tree): the default of requests that set none.
     """
     import json
 
@@ -223,8 +225,14 @@ def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> li
 
     config = load_config(config_path)
     g = config.generation
+    if g.response_format is not None and "--preferred-sampling-params" not in extra_args:
+        from adaptivespec.constraints import sglang_sampling_params
+
+        fmt = sglang_sampling_params(g.response_format)
+    else:
+        fmt = {}
     if g.temperature == 0:
-        return []
+        return ["--preferred-sampling-params", json.dumps(fmt)] if fmt else []
     if config.verifier.name != "strict":
         raise AdaptiveSpecError(
             f"{config_path}: verifier {config.verifier.name!r} at generation.temperature {g.temperature}: SGLang samples "
@@ -233,7 +241,7 @@ def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> li
         )
     if "--preferred-sampling-params" in extra_args:
         return []
-    params = {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k or -1, "min_p": g.min_p or 0.0}
+    params = {"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k or -1, "min_p": g.min_p or 0.0, **fmt}
     return ["--preferred-sampling-params", json.dumps(params)]
 
 

@@ -196,6 +196,38 @@ class SGLangServer:
         out["wall_seconds"] = wall
         return out
 
+    def chat(self, messages: Sequence[dict[str, Any]], max_tokens: int, *, response_format=None,
+             timeout: float = 600.0, **extra: Any) -> dict[str, Any]:
+        """SGLang's OpenAI ``POST /v1/chat/completions`` (greedy unless ``extra`` says otherwise),
+        ``response_format`` passed through for SGLang's own constrained decoding (see
+        :func:`chat_request`); the response with ``wall_seconds`` added."""
+        t0 = time.perf_counter()
+        status, out = self.request("POST", "/v1/chat/completions",
+                                   chat_request(messages, max_tokens, response_format=response_format, **extra),
+                                   timeout=timeout)
+        if status != 200 or not isinstance(out, dict):
+            raise AdaptiveSpecError(f"SGLang /v1/chat/completions returned {status}: {str(out)[:300]}")
+        out["wall_seconds"] = time.perf_counter() - t0
+        return out
+
     def flush_cache(self) -> None:
         """Empty SGLang's prefix (radix) cache: the next request prefills from scratch."""
         self.request("POST", "/flush_cache", timeout=60)
+
+
+def chat_request(messages: Sequence[dict[str, Any]], max_tokens: int, *, response_format=None,
+                 model: str = "default", **extra: Any) -> dict[str, Any]:
+    """The body of an OpenAI chat-completions request to SGLang.
+
+    ``response_format`` (a :class:`~adaptivespec.config.ResponseFormat`) becomes the OpenAI
+    ``response_format`` (``json_schema``, ``json_object``); ``regex`` and ``ebnf``, which OpenAI's
+    API lacks, go as SGLang's extra request fields of the same names."""
+    body: dict[str, Any] = {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    if response_format is not None:
+        from adaptivespec.constraints import openai_response_format, sglang_sampling_params
+
+        if response_format.type in ("json_schema", "json_object"):
+            body["response_format"] = openai_response_format(response_format)
+        else:
+            body.update(sglang_sampling_params(response_format))
+    return body

@@ -1,0 +1,319 @@
+"""Structured output: generation constrained by a grammar (JSON schema, any JSON, regex, EBNF).
+
+The grammar engine is xgrammar (SGLang's default backend): it compiles the response format
+against the target's tokenizer once, keeps a matcher that follows the committed tokens, and
+fills token bitmasks (32 tokens per int32 word) that are applied to the logits in one call.
+
+Per generation the engine builds a :class:`Constraint` and then, every step:
+
+* **plain decoding** (prefill and ``ar_step``): the last position's logits are masked by the
+  matcher's state before the next token is picked (:meth:`Constraint.mask_next`);
+* **speculative steps**: after the target's forward over the draft tree, the logits at every
+  node are masked by the grammar state along that node's path (:meth:`Constraint.mask_tree`:
+  xgrammar walks the tree once, ``traverse_draft_tree``, filling one bitmask row per node, and
+  one ``apply_token_bitmask_inplace`` masks all rows). A node whose drafted token the grammar
+  forbids at its parent gets a zero probability there, so no verifier rule that accepts only
+  tokens of nonzero target probability (strict, margin, fly, sampling) can accept it, and the
+  bonus token, picked from masked logits, is always legal;
+* the emitted tokens advance the matcher (:meth:`Constraint.accept`).
+
+Masking happens before the verifier's rule and before the sampling transforms (temperature,
+top-k, top-p, min-p), as in SGLang: constrained speculative output therefore equals constrained
+plain decoding (token for token with ``strict`` at temperature 0, in distribution above it).
+
+``xgrammar`` is imported only when a response format is set (the ``structured`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import torch
+
+from adaptivespec.config import ResponseFormat
+from adaptivespec.errors import AdaptiveSpecError
+
+__all__ = ["Constraint", "GrammarBackend", "ResponseFormat", "ResponseFormatError"]
+
+
+class ResponseFormatError(AdaptiveSpecError, ValueError):
+    """A response format the grammar engine cannot compile (or xgrammar missing)."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ResponseFormatError(
+            "generation.response_format: needs the grammar engine xgrammar; install it with "
+            "`pip install -e .[structured]` (or `pip install xgrammar`)") from None
+    return xgrammar
+
+
+def grammar_of(fmt: ResponseFormat):
+    """The tokenizer-independent ``xgrammar.Grammar`` of ``fmt`` (raises what xgrammar raises)."""
+    xgr = _xgrammar()
+    json_kwargs = ({"any_whitespace": True} if fmt.whitespace == "any"
+                   else {"any_whitespace": False, "separators": (", ", ": ")})
+    if fmt.type == "json_schema":
+        return xgr.Grammar.from_json_schema(json.dumps(fmt.schema), **json_kwargs)
+    if fmt.type == "json_object":
+        return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), strict_mode=False, **json_kwargs)
+    if fmt.type == "regex":
+        return xgr.Grammar.from_regex(fmt.pattern)
+    return xgr.Grammar.from_ebnf(fmt.grammar)
+
+
+def check_compiles(fmt: ResponseFormat) -> None:
+    """Raise ``ValueError("<key>: the grammar engine cannot compile it: <first line>")`` when
+    xgrammar refuses ``fmt`` (``<key>``: schema, pattern or grammar), ResponseFormatError when
+    xgrammar is missing."""
+    try:
+        grammar_of(fmt)
+    except ResponseFormatError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a long message
+        what = {"json_schema": "schema", "regex": "pattern", "ebnf": "grammar"}.get(fmt.type, "type")
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", first)  # xgrammar's "[time] file.cc:line: "
+        raise ValueError(f"{what}: the grammar engine cannot compile it: {first}") from None
+
+
+class GrammarBackend:
+    """xgrammar's tokenizer info and compiler for one tokenizer; compiled grammars cached."""
+
+    _shared: dict[tuple[int, int | None], "GrammarBackend"] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int | None = None) -> "GrammarBackend":
+        """The process's backend for ``tokenizer`` (built once: engines sharing a tokenizer share
+        its vocabulary tables and compiled grammars)."""
+        key = (id(tokenizer), vocab_size)
+        if key not in cls._shared:
+            cls._shared[key] = cls(tokenizer, vocab_size)
+        return cls._shared[key]
+
+    def __init__(self, tokenizer, vocab_size: int | None = None) -> None:
+        xgr = _xgrammar()
+        self.xgr = xgr
+        self.tokenizer = tokenizer
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.vocab_size = self.info.vocab_size
+        self.decoded = self.info.decoded_vocab  # [V] bytes (a copy: built once)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max(1, min(4, torch.get_num_threads())))
+        self._compiled: dict[tuple, Any] = {}
+
+    def compile(self, fmt: ResponseFormat):
+        k = fmt.key()
+        if k not in self._compiled:
+            self._compiled[k] = self.compiler.compile_grammar(grammar_of(fmt))
+        return self._compiled[k]
+
+    def constraint(self, fmt: ResponseFormat, rows: int = 64) -> "Constraint":
+        return Constraint(self, self.compile(fmt), rows)
+
+
+class Constraint:
+    """One generation's grammar state: masks logits and follows the emitted tokens.
+
+    ``mask_seconds`` / ``mask_calls`` accumulate the host time spent computing and applying
+    masks (the per-step overhead reported by ``generate --json`` as ``stats.mask_ms_per_step``).
+    """
+
+    def __init__(self, backend: GrammarBackend, compiled, rows: int = 64) -> None:
+        xgr = backend.xgr
+        self.xgr, self.backend = xgr, backend
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = backend.vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)] int32, CPU
+        self.mask_seconds = 0.0
+        self.mask_calls = 0
+        self.accepted: list[int] = []
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def terminated(self) -> bool:
+        """The stop token was accepted: nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def accept(self, tokens: list[int]) -> int:
+        """Advance the matcher over emitted ``tokens`` (legal: the masks saw to it); returns how
+        many it took: all of them, or up to the grammar's stop token (nothing may follow it)."""
+        for k, t in enumerate(tokens):
+            if self.matcher.is_terminated():
+                return k
+            if not self.matcher.accept_token(int(t)):
+                raise AdaptiveSpecError(f"internal error: emitted token {t} is not allowed by the response format")
+            self.accepted.append(int(t))
+        return len(tokens)
+
+    def fork(self):
+        """An independent copy of the matcher (for look-ahead without touching the state)."""
+        return self.matcher.fork()
+
+    # -- masks ------------------------------------------------------------------------------------
+    def _rows(self, n: int) -> torch.Tensor:
+        if self.bitmask.shape[0] < n:
+            self.bitmask = self.xgr.allocate_token_bitmask(max(n, 2 * self.bitmask.shape[0]), self.vocab_size)
+        return self.bitmask[:n]
+
+    def _apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        if logits.device != bitmask.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]))
+        if logits.shape[-1] > self.vocab_size:  # padded model vocabulary: never legal
+            logits[..., self.vocab_size:] = -torch.inf
+
+    def mask_next(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask ``logits`` ([V], the next token's) in place by the current state; returns it."""
+        t0 = time.perf_counter()
+        row = self._rows(1)
+        self.matcher.fill_next_token_bitmask(row, 0)
+        self._apply(logits.view(1, -1), row)
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_calls += 1
+        return logits
+
+    def tree_masks(self, parents: list[int], tokens: list[int]) -> torch.Tensor:
+        """[n, ceil(V / 32)] bitmask of each node's children, following each node's path.
+
+        Node ``i``'s row is the grammar's mask after the tokens of its path (the root's row: the
+        current state). One xgrammar call walks the tree (first-child / next-sibling links built
+        here; the matcher is left where it was).
+
+        A node the walk cannot reach (its token, or an ancestor's, is illegal: probability 0 at
+        its parent) or that ends the grammar gets an all-ones row: its logits stay finite. Its
+        row is never read by a rule that follows accepted nodes, but the batched tests read
+        every row at once (``sibling_accept`` sums each sibling group with one matrix product),
+        and an all-masked row's softmax is NaN, which that product spreads to every node."""
+        n = len(parents)
+        first, sibling, last = [-1] * n, [-1] * n, [-1] * n
+        for i in range(1, n):
+            p = parents[i]
+            if first[p] < 0:
+                first[p] = i
+            else:
+                sibling[last[p]] = i
+            last[p] = i
+        rows = self._rows(n)
+        rows.zero_()
+        toks = torch.tensor(tokens, dtype=torch.long)
+        toks[0] = 0  # the root's token is already accepted by the matcher: not read
+        self.matcher.traverse_draft_tree(torch.tensor(first, dtype=torch.long), torch.tensor(sibling, dtype=torch.long), toks, rows)
+        rows[~rows.any(-1)] = -1  # unreachable or final nodes: nothing masked (see above)
+        return rows
+
+    def mask_tree(self, tree, logits: torch.Tensor) -> torch.Tensor:
+        """Mask the target's ``logits`` [n, V] over ``tree`` in place (one bitmask for all nodes)."""
+        t0 = time.perf_counter()
+        parents, tokens = torch.stack([tree.parents, tree.tokens]).tolist()
+        rows = self.tree_masks(parents, tokens)
+        self._apply(logits, rows)
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_calls += 1
+        return logits
+
+    # -- forced continuation (the ``grammar`` candidate source) ---------------------------------
+    def forced_string(self) -> str:
+        """The text the grammar allows as the only continuation here (jump-forward), or ''."""
+        if self.matcher.is_terminated():
+            return ""
+        return self.matcher.find_jump_forward_string()
+
+    def forced_tokens(self, mode: str = "canonical", limit: int = 16) -> list[int]:
+        """Tokens drafting the forced continuation, each checked by a forked matcher.
+
+        ``canonical``: the tokenizer's own encoding of the jump-forward string, cut before the
+        first token the grammar rejects and before a last token that is a strict prefix of a
+        longer vocabulary token (the target would likely merge it with what follows);
+        ``greedy``: xgrammar's ``find_jump_forward_tokens`` (longest vocabulary match first);
+        ``single``: only tokens that are the one legal token at their position (checked with
+        the bitmask), following them as long as that holds."""
+        if self.matcher.is_terminated() or limit < 1:
+            return []
+        if mode == "single":
+            return self._single_tokens(limit)
+        if mode == "greedy":
+            ids = list(self.matcher.find_jump_forward_tokens())
+        else:
+            text = self.matcher.find_jump_forward_string()
+            if not text:
+                return []
+            ids = list(self.backend.tokenizer.encode(text, add_special_tokens=False))
+            if ids and _strict_prefix_of_longer(self.backend, ids[-1], text):
+                ids = ids[:-1]
+        if not ids:
+            return []
+        m = self.matcher.fork()
+        out = []
+        for t in ids[:limit]:
+            if not m.accept_token(int(t)):
+                break
+            out.append(int(t))
+        return out
+
+    def _single_tokens(self, limit: int) -> list[int]:
+        m = self.matcher.fork()
+        row = self._rows(1)
+        out: list[int] = []
+        while len(out) < limit and not m.is_terminated():
+            m.fill_next_token_bitmask(row, 0)
+            bits = row[0]
+            nz = torch.nonzero(bits).flatten()
+            if nz.numel() != 1:
+                break
+            word = int(nz[0])
+            value = int(bits[word]) & 0xFFFFFFFF
+            if value & (value - 1):  # more than one bit set
+                break
+            tok = word * 32 + value.bit_length() - 1
+            if tok in m.stop_token_ids or not m.accept_token(tok):
+                break
+            out.append(tok)
+        return out
+
+
+_PREFIX_CACHE: dict[int, Any] = {}
+
+
+def _strict_prefix_of_longer(backend: GrammarBackend, token: int, text: str) -> bool:
+    """Whether the decoded ``token`` is a strict prefix of some longer vocabulary token that the
+    forced ``text`` does not already rule out (a set of decoded prefixes, built once)."""
+    prefixes = _PREFIX_CACHE.get(id(backend))
+    if prefixes is None:
+        prefixes = set()
+        for s in backend.decoded:
+            if isinstance(s, bytes):
+                for k in range(1, len(s)):
+                    prefixes.add(s[:k])
+        _PREFIX_CACHE[id(backend)] = prefixes
+    decoded = backend.decoded[token]
+    return isinstance(decoded, bytes) and decoded in prefixes
+
+
+# -- the same format for an OpenAI-compatible server (SGLang) ----------------------------------------
+def openai_response_format(fmt: ResponseFormat) -> dict[str, Any]:
+    """The OpenAI chat-completions ``response_format`` body for ``fmt`` (what a client of
+    ``adaptivespec serve``'s SGLang server sends); regex and EBNF have no OpenAI form: SGLang reads
+    them as the extra request fields of :func:`sglang_sampling_params`."""
+    if fmt.type == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt.schema}}
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    raise ResponseFormatError(f"generation.response_format: type {fmt.type} has no OpenAI response_format; "
+                              "send it as SGLang's sampling parameter (sglang_sampling_params)")
+
+
+def sglang_sampling_params(fmt: ResponseFormat) -> dict[str, str]:
+    """SGLang's constrained-decoding sampling parameters for ``fmt`` (one of ``json_schema``,
+    ``regex``, ``ebnf``), for ``--preferred-sampling-params`` or a request's ``sampling_params``."""
+    if fmt.type == "json_schema":
+        return {"json_schema": json.dumps(fmt.schema)}
+    if fmt.type == "json_object":
+        return {"json_schema": json.dumps({"type": "object"})}
+    if fmt.type == "regex":
+        return {"regex": fmt.pattern}
+    return {"ebnf": fmt.grammar}
