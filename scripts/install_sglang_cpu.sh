@@ -57,6 +57,10 @@ echo "torch==$torch_version" > "$pin"
 # (adaptivespec's runtime needs >= 5.24); SGLang 0.5.23 serves the embedded pair on 5.24 (tested)
 tf_version="$(python -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
 [ -n "$tf_version" ] && echo "transformers==$tf_version" >> "$pin"
+# and its xgrammar: SGLang's list pins 0.2.7, which lacks find_jump_forward_tokens (structured output,
+# adaptivespec[structured] needs >= 0.2.9)
+xg_version="$(python -c 'import importlib.metadata as m; print(m.version("xgrammar"))' 2>/dev/null || true)"
+[ -n "$xg_version" ] && echo "xgrammar==$xg_version" >> "$pin"
 if python - <<'PY' 2>/dev/null
 import importlib.metadata as m, sys
 ok = m.version("sglang") == "0.5.23" and m.version("sglang-kernel-cpu").startswith("0.4") and m.version("torchvision") == "0.28.0"
@@ -67,7 +71,7 @@ then
 else
     pip install -q --no-warn-conflicts -c "$pin" "$wheels"/sglang_kernel_cpu-*.whl
     pip install -q --no-warn-conflicts --no-deps "$wheels"/sglang-0.5.23-*.whl
-    grep -v '^transformers==' "$wheels/requirements-cpu.txt" > "$pin.req"
+    grep -v -e '^transformers==' -e '^xgrammar==' "$wheels/requirements-cpu.txt" > "$pin.req"
     pip install -q --no-warn-conflicts -c "$pin" -r "$pin.req"
     pip install -q --no-warn-conflicts --no-deps torchvision==0.28.0
 fi
@@ -77,4 +81,6 @@ tv="$(python -c 'import importlib.util as u; print(u.find_spec("torchvision").su
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$tv"
 [ -n "$tf_version" ] && python -c "import transformers, sys; sys.exit(transformers.__version__ != '$tf_version')" \
     || { [ -n "$tf_version" ] && pip install -q --no-warn-conflicts "transformers==$tf_version"; }
+[ -n "$xg_version" ] && python -c "import importlib.metadata as m, sys; sys.exit(m.version('xgrammar') != '$xg_version')" \
+    || { [ -n "$xg_version" ] && pip install -q --no-warn-conflicts "xgrammar==$xg_version"; }
 python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__; import sglang, sgl_kernel; print("install_sglang_cpu: ready: sglang", sglang.__version__, "torch", torch.__version__)'
