@@ -19,6 +19,7 @@ import torch
 import adaptivespec
 from adaptivespec.attention import use_tree_sdpa
 from adaptivespec.bank import ShapeBank
+from adaptivespec.fastforward import fast_forward
 from adaptivespec.kvcache import buffered_cache
 from adaptivespec.prepack import prepack_linears
 from adaptivespec.sampling import pick_next
@@ -59,7 +60,13 @@ class TorchRuntime:
         self.target = target
         self.drafter = drafter
         use_tree_sdpa(target)  # tree verification without expanding the KV heads (a copy of the cache)
-        for module in (target, drafter):  # bfloat16 on a CPU: weights laid out once for oneDNN, not per call
+        # bfloat16 Llama on a CPU: the target's forward fused (QKV and gate|up in one matmul each, fused
+        # norms, weights packed once); None elsewhere, and then the model itself runs
+        self.fast = fast_forward(target)
+        self.forward = self.fast if self.fast is not None else target
+        # bfloat16 on a CPU: weights laid out once for the matmul kernel, not per call (the target only
+        # where its own forward runs: the fused one keeps its own packed copies)
+        for module in (target if self.fast is None else None, drafter):
             if module is not None:
                 prepack_linears(module)
         p = next(target.parameters())
@@ -94,7 +101,7 @@ class TorchRuntime:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
         self.cache = buffered_cache(self.target.config, length)  # appends in place (no per-step copy)
         need_hidden = self.drafter is not None
-        out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
+        out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
         self.root = self._pick(out.logits[0, -1])
         self.P = ids.shape[1]
         if need_hidden:
@@ -120,7 +127,7 @@ class TorchRuntime:
     @torch.inference_mode()
     def ar_step(self) -> int:
         """One plain decoding step: run the root, return the next token (greedy, or drawn with the sampler)."""
-        out = self.target(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.forward(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
         self.P += 1
         self.root = self._pick(out.logits[0, -1])
         return int(self.root)
@@ -170,7 +177,7 @@ class TorchRuntime:
         block = mask[0, 0, :, self.P :]
         block.masked_fill_(~tree.ancestors, self.neg)
         positions = (self.P + tree.depth).unsqueeze(0)
-        out = self.target(
+        out = self.forward(
             input_ids=tree.tokens.unsqueeze(0),
             position_ids=positions,
             attention_mask=mask,

@@ -1,0 +1,221 @@
+"""A lean forward for Llama-layout targets in bfloat16 on a CPU: the torch runtime's plain step, fused.
+
+transformers' ``LlamaForCausalLM.forward`` runs ~15 small torch ops and as many Python module
+calls per layer (mask creation, output records, kwargs plumbing, three projections for Q, K and V,
+two for gate and up). At SmolLM2-135M's size a one-token step is ~30 ms, of which the linear
+layers' matmuls are ~70 %; the rest is per-op and per-call overhead, paid 30 times. :class:`FastLlama`
+computes the same function directly from the model's weights:
+
+- one Q|K|V projection and one gate|up projection per layer (weights concatenated once, prepacked),
+  i.e. 4 matmuls per layer instead of 7;
+- RMSNorm as one fused op (``torch.nn.functional.rms_norm``, with the same bfloat16 rounding as
+  transformers' ``LlamaRMSNorm``), rotary embedding of Q and K together, SwiGLU in place;
+- grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` straight on the
+  in-place cache's views (:mod:`adaptivespec.kvcache`).
+
+Matmuls use oneDNN with prepacked weights (:mod:`adaptivespec.prepack`) or, when SGLang's CPU
+kernel package ``sgl_kernel`` imports (optional; ``scripts/install_sglang_cpu.sh``), its AMX
+``weight_packed_linear``, RMSNorm and SwiGLU kernels, which carry much less fixed cost per call
+than oneDNN's at one row. ``$ADAPTIVESPEC_NO_FASTFORWARD=1`` keeps transformers' forward,
+``$ADAPTIVESPEC_NO_SGL_KERNEL=1`` keeps torch's ops; ``$ADAPTIVESPEC_NO_PREPACK=1`` turns the whole
+bfloat16 fast path off. float32 models are never touched (their greedy output stays the reference).
+
+The output has transformers' meaning: ``logits`` ``[1, k, V]`` (the last ``logits_to_keep`` rows, all
+when 0) and, on request, ``hidden_states`` (embeddings, each layer's output, the last one normed).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from adaptivespec.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
+
+DISABLE_ENV = "ADAPTIVESPEC_NO_FASTFORWARD"
+_ATTR = "_adaptivespec_fastforward"
+
+
+def supported(model) -> str | None:
+    """None when :class:`FastLlama` can run ``model``; otherwise why not (a short reason)."""
+    cfg = getattr(model, "config", None)
+    if os.environ.get(DISABLE_ENV, "0") == "1":
+        return f"${DISABLE_ENV}=1"
+    if cfg is None or getattr(cfg, "model_type", None) != "llama":
+        return "not a Llama-layout model"
+    if not can_prepack(model):
+        return "not bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "unexpected module layout"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "activation or tensor-parallel layout differs"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "adaptivespec_sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    return None
+
+
+def _lin(weight, bias, sgl) -> PackedWeight:
+    return PackedWeight(weight, bias, sgl)
+
+
+def _weight(mod) -> torch.Tensor:
+    return mod.weight.detach()
+
+
+def _bias(mods, dtype) -> torch.Tensor | None:
+    if all(getattr(m, "bias", None) is None for m in mods):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype)
+                      for m in mods])
+
+
+class _Layer:
+    __slots__ = ("qkv", "o", "gate_up", "down", "w_in", "w_post", "eps_in", "eps_post")
+
+
+class FastLlama:
+    """The target's forward, fused (see the module's text). Built once per model by :func:`fast_forward`."""
+
+    def __init__(self, model, sgl=None) -> None:
+        cfg = model.config
+        inner = model.model
+        self.model = model
+        self.sgl = sgl
+        self.backend = "sgl_kernel" if sgl is not None else "onednn"
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.hidden = cfg.hidden_size
+        self.scale = self.head_dim ** -0.5
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        dtype = next(model.parameters()).dtype
+        self.embed = inner.embed_tokens.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.norm_w = inner.norm.weight.detach()
+        self.norm_eps = inner.norm.variance_epsilon
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            L = _Layer()
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            L.qkv = _lin(torch.cat([_weight(p) for p in qkv]), _bias(qkv, dtype), sgl)
+            L.o = _lin(_weight(a.o_proj), _bias((a.o_proj,), dtype), sgl)
+            gu = (m.gate_proj, m.up_proj)
+            L.gate_up = _lin(torch.cat([_weight(p) for p in gu]), _bias(gu, dtype), sgl)
+            L.down = _lin(_weight(m.down_proj), _bias((m.down_proj,), dtype), sgl)
+            L.w_in, L.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
+            L.w_post, L.eps_post = (layer.post_attention_layernorm.weight.detach(),
+                                    layer.post_attention_layernorm.variance_epsilon)
+            self.layers.append(L)
+        self.lm_head = _lin(_weight(model.lm_head), _bias((model.lm_head,), dtype), sgl)
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.sgl is not None:
+            return self.sgl.rmsnorm_cpu(x, w, eps)
+        # transformers' LlamaRMSNorm: normalise in float32, round to the model's dtype, then scale
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (rotate-half layout) of ``qk`` [n, heads, D] with cos/sin [n, 1, D]."""
+        half = qk.shape[-1] // 2
+        rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        return qk * cos + rot * sin
+
+    # -- forward -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, output_hidden_states: bool = False,
+                 logits_to_keep: int = 0, **_ignored) -> SimpleNamespace:
+        if input_ids.shape[0] != 1:
+            raise ValueError("FastLlama runs batch 1 only")
+        ids = input_ids[0]
+        n = ids.shape[0]
+        past = cache.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=ids.device).unsqueeze(0)
+        h = F.embedding(ids, self.embed)  # [n, H]
+        cos, sin = self.rotary(h, position_ids)  # [1, n, D] each, in h's dtype
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [n, 1, D]
+        keep = (lambda t: t.clone()) if self.sgl is not None else (lambda t: t)  # sgl adds into h in place
+        hidden = [keep(h)] if output_hidden_states else None
+        mask, causal = None, False
+        if attention_mask is not None:
+            mask = attention_mask
+        elif n > 1:
+            if past == 0:
+                causal = True
+            else:  # rows past..past+n-1 see everything before them
+                keep = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
+                mask = keep[None, None]
+        qs, ks = self.q_size, self.kv_size
+        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
+        sgl = self.sgl
+        layers = cache.layers
+        for i, L in enumerate(self.layers):
+            x = self._rms(h, L.w_in, L.eps_in)
+            qkv = L.qkv(x)  # [n, qs + 2 ks]
+            qk = self._rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
+            q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = qkv[:, qs + ks:].view(n, Hkv, D).transpose(0, 1).unsqueeze(0)
+            keys, values = layers[i].update(k, v)
+            m = None if mask is None else mask[:, :, :, : keys.shape[-2]]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=Hkv != H)
+            o = L.o(attn[0].transpose(0, 1).reshape(n, qs))
+            if sgl is not None:
+                sgl.fused_add_rmsnorm_cpu(o, h, L.w_post, L.eps_post)  # h += o; o = rmsnorm(h)
+                x = o
+            else:
+                h = h + o
+                x = self._rms(h, L.w_post, L.eps_post)
+            gu = L.gate_up(x)  # [n, 2 I]
+            if sgl is not None:
+                act = sgl.silu_and_mul_cpu(gu)
+            else:
+                inter = gu.shape[-1] // 2
+                act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+            h = h + L.down(act)
+            if hidden is not None and i + 1 < len(self.layers):
+                hidden.append(keep(h))
+        h = self._rms(h, self.norm_w, self.norm_eps)
+        if hidden is not None:
+            hidden.append(h)
+        rows = h if not logits_to_keep else h[-logits_to_keep:]
+        logits = self.lm_head(rows.contiguous()).unsqueeze(0)
+        hs = tuple(t.unsqueeze(0) for t in hidden) if hidden is not None else None
+        return SimpleNamespace(logits=logits, hidden_states=hs)
+
+
+def _probe(sgl, hidden: int, inter: int):
+    """``sgl`` if its norm and SwiGLU kernels take this model's sizes, else None (torch's ops then)."""
+    if sgl is None:
+        return None
+    try:
+        x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+        w = torch.ones(hidden, dtype=torch.bfloat16)
+        sgl.rmsnorm_cpu(x, w, 1e-6)
+        sgl.fused_add_rmsnorm_cpu(x, x.clone(), w, 1e-6)
+        sgl.silu_and_mul_cpu(torch.zeros(1, 2 * inter, dtype=torch.bfloat16))
+    except RuntimeError:
+        return None
+    return sgl
+
+
+def fast_forward(model):
+    """The fused forward for ``model`` (built once and kept on it), or None where it does not apply
+    (:func:`supported`): callers then run the model itself."""
+    if model is None or supported(model) is not None:
+        return None
+    sgl = _probe(sgl_ops(), model.config.hidden_size, model.config.intermediate_size)
+    key = "sgl_kernel" if sgl is not None else "onednn"
+    cached = getattr(model, _ATTR, None)
+    if cached is not None and cached.backend == key:
+        return cached
+    ff = FastLlama(model, sgl)
+    object.__setattr__(model, _ATTR, ff)  # not a submodule: keep it out of state_dict and .modules()
+    return ff

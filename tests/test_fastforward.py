@@ -1,0 +1,143 @@
+"""The fused bfloat16 forward of Llama-layout targets (:mod:`adaptivespec.fastforward`).
+
+With torch's own ops (oneDNN matmuls) it must reproduce transformers' forward bit for bit: prefill,
+one-token steps, tree verification with a mask, hidden states; with SGLang's CPU kernels (only where
+``sgl_kernel`` imports) it must agree to bfloat16 rounding. It must never touch float32 models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from adaptivespec import fastforward
+from adaptivespec.fastforward import FastLlama, fast_forward, sgl_ops, supported
+from adaptivespec.kvcache import buffered_cache
+from adaptivespec.prepack import can_prepack
+
+from test_fastpath import tree_mask
+
+
+def tiny(dtype=torch.bfloat16, **kw):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, **kw)
+    model = LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
+    model.requires_grad_(False)
+    return model
+
+
+def needs_prepack(model):
+    if not can_prepack(model):
+        pytest.skip("oneDNN is not available in this torch build (or the bf16 fast path is off)")
+
+
+@torch.inference_mode()
+def trace(forward, model):
+    """Logits and hidden states of a prefill, a one-token step, a tree step and an unmasked 3-row step."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 320, (1, 17))
+    cache = buffered_cache(model.config, capacity=64)
+    out = [forward(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)]
+    out.append(forward(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True, logits_to_keep=1))
+    mask, pos = tree_mask(18, 5, torch.bfloat16)
+    out.append(forward(input_ids=torch.randint(0, 320, (1, 5)), attention_mask=mask, position_ids=pos, cache=cache,
+                       use_cache=True, output_hidden_states=True))
+    cache.crop(-5)
+    out.append(forward(input_ids=torch.randint(0, 320, (1, 3)), cache=cache, use_cache=True))
+    assert cache.get_seq_length() == 21
+    return out
+
+
+def test_onednn_fused_forward_is_bit_identical_to_transformers(monkeypatch):
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    model = tiny()
+    needs_prepack(model)
+    ff = FastLlama(model, sgl=None)
+    ref, got = trace(model, model), trace(ff, model)
+    for r, g in zip(ref, got):
+        assert g.logits.shape == r.logits.shape and g.logits.dtype == r.logits.dtype
+        torch.testing.assert_close(g.logits, r.logits, rtol=0, atol=0)
+        if r.hidden_states is not None:
+            assert len(g.hidden_states) == len(r.hidden_states) == model.config.num_hidden_layers + 1
+            for a, b in zip(g.hidden_states, r.hidden_states):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sgl_kernel_fused_forward_agrees_to_bfloat16_rounding():
+    sgl = sgl_ops()
+    if sgl is None:
+        pytest.skip("sgl_kernel (SGLang's CPU kernels) is not installed here")
+    model = tiny()
+    needs_prepack(model)
+    ff = FastLlama(model, sgl=sgl)
+    assert ff.backend == "sgl_kernel"
+    for r, g in zip(trace(model, model), trace(ff, model)):
+        torch.testing.assert_close(g.logits.float(), r.logits.float(), rtol=0.05, atol=0.05)
+        assert (g.logits.argmax(-1) == r.logits.argmax(-1)).float().mean() >= 0.9
+        if r.hidden_states is not None:  # the fused add-norm works in place: recorded states must not move
+            for a, b in zip(g.hidden_states, r.hidden_states):
+                torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+
+
+def test_fast_forward_applies_only_to_bfloat16_llama_on_cpu_and_can_be_switched_off(monkeypatch):
+    assert fast_forward(tiny(torch.float32)) is None
+    assert "bfloat16" in supported(tiny(torch.float32))
+    model = tiny()
+    needs_prepack(model)
+    ff = fast_forward(model)
+    assert ff is not None and fast_forward(model) is ff  # built once per model
+    assert ff not in list(model.modules()) and not any("fastforward" in k for k in model.state_dict())
+    monkeypatch.setenv(fastforward.DISABLE_ENV, "1")
+    assert fast_forward(model) is None
+    monkeypatch.delenv(fastforward.DISABLE_ENV)
+    monkeypatch.setenv("ADAPTIVESPEC_NO_PREPACK", "1")
+    assert fast_forward(model) is None
+    monkeypatch.delenv("ADAPTIVESPEC_NO_PREPACK")
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    assert fast_forward(model).backend == "onednn"
+    model.config.model_type = "qwen2"
+    assert fast_forward(tiny(torch.float32)) is None and "Llama" in supported(model)
+
+
+def test_torch_runtime_decodes_the_same_tokens_with_and_without_the_fused_forward(monkeypatch):
+    from adaptivespec.runtime import TorchRuntime
+
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    model = tiny()
+    needs_prepack(model)
+    prompt = list(range(3, 20))
+
+    def decode(rt):
+        out = [rt.prefill(prompt, 16)]
+        out += [rt.ar_step() for _ in range(12)]
+        return out
+
+    fast = TorchRuntime(model)
+    assert fast.fast is not None and fast.forward is fast.fast
+    monkeypatch.setenv(fastforward.DISABLE_ENV, "1")
+    plain = TorchRuntime(model)
+    assert plain.fast is None and plain.forward is model
+    assert decode(fast) == decode(plain)
+
+
+@torch.inference_mode()
+def test_packed_weight_matches_linear_on_either_kernel_and_falls_back_for_shapes_sgl_refuses():
+    from adaptivespec.prepack import PackedWeight
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(0)
+    for out_features, in_features, rows, bias in [(64, 128, 1, False), (96, 64, 5, True), (300, 96, 2, True)]:
+        w = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.1
+        b = torch.randn(out_features, dtype=torch.bfloat16) if bias else None
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        for sgl in {None, sgl_ops()}:
+            pw = PackedWeight(w, b, sgl)
+            if out_features == 300:
+                assert pw.sgl is None  # sgl_kernel's blocks refuse 300 output features: oneDNN instead
+            y = pw(x)
+            assert y.shape == (rows, out_features) and y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.05)
