@@ -105,6 +105,14 @@ class GrammarBackend:
         self.decoded = self.info.decoded_vocab  # [V] bytes (a copy: built once)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max(1, min(4, torch.get_num_threads())))
         self._compiled: dict[tuple, Any] = {}
+        self._prefixes: set[bytes] | None = None
+
+    @property
+    def prefixes(self) -> set[bytes]:
+        """Every strict prefix of every decoded vocabulary token (built on first use)."""
+        if self._prefixes is None:
+            self._prefixes = {s[:k] for s in self.decoded if isinstance(s, bytes) for k in range(1, len(s))}
+        return self._prefixes
 
     def compile(self, fmt: ResponseFormat):
         k = fmt.key()
@@ -131,7 +139,6 @@ class Constraint:
         self.bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)  # [rows, ceil(V / 32)] int32, CPU
         self.mask_seconds = 0.0
         self.mask_calls = 0
-        self.accepted: list[int] = []
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -147,7 +154,6 @@ class Constraint:
                 return k
             if not self.matcher.accept_token(int(t)):
                 raise AdaptiveSpecError(f"internal error: emitted token {t} is not allowed by the response format")
-            self.accepted.append(int(t))
         return len(tokens)
 
     def fork(self):
@@ -243,7 +249,7 @@ class Constraint:
             if not text:
                 return []
             ids = list(self.backend.tokenizer.encode(text, add_special_tokens=False))
-            if ids and _strict_prefix_of_longer(self.backend, ids[-1], text):
+            if ids and _strict_prefix_of_longer(self.backend, ids[-1]):
                 ids = ids[:-1]
         if not ids:
             return []
@@ -276,22 +282,10 @@ class Constraint:
         return out
 
 
-_PREFIX_CACHE: dict[int, Any] = {}
-
-
-def _strict_prefix_of_longer(backend: GrammarBackend, token: int, text: str) -> bool:
-    """Whether the decoded ``token`` is a strict prefix of some longer vocabulary token that the
-    forced ``text`` does not already rule out (a set of decoded prefixes, built once)."""
-    prefixes = _PREFIX_CACHE.get(id(backend))
-    if prefixes is None:
-        prefixes = set()
-        for s in backend.decoded:
-            if isinstance(s, bytes):
-                for k in range(1, len(s)):
-                    prefixes.add(s[:k])
-        _PREFIX_CACHE[id(backend)] = prefixes
+def _strict_prefix_of_longer(backend: GrammarBackend, token: int) -> bool:
+    """Whether the decoded ``token`` is a strict prefix of some longer vocabulary token."""
     decoded = backend.decoded[token]
-    return isinstance(decoded, bytes) and decoded in prefixes
+    return isinstance(decoded, bytes) and decoded in backend.prefixes
 
 
 # -- the same format for an OpenAI-compatible server (SGLang) ----------------------------------------

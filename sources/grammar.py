@@ -55,11 +55,6 @@ class GrammarSource(CandidateSource):
     Params = GrammarParams
     structured_default = True
 
-    def __init__(self, params: GrammarParams | None = None) -> None:
-        super().__init__(params)
-        self.proposed = 0  # nodes proposed / accepted over the engine's life (for tuning)
-        self.accepted = 0
-
     def propose(self) -> CandidateTrie | None:
         if self.constraint is None:
             return None
@@ -68,16 +63,8 @@ class GrammarSource(CandidateSource):
         if not ids:
             return None
         n = len(ids)
-        trie = CandidateTrie(tokens=list(ids), parents=[-1, *range(n - 1)], counts=[1] * n,
+        return CandidateTrie(tokens=list(ids), parents=[-1, *range(n - 1)], counts=[1] * n,
                              match=[0] * n, scores=[p.score] * n, total=1)
-        self.proposed += n
-        return trie
-
-    def observe(self, trie: CandidateTrie, tokens: list[int]) -> None:
-        for a, b in zip(trie.tokens, tokens):
-            if a != b:
-                return
-            self.accepted += 1
 
     def extra_slots(self) -> int:
         return self.params.extra_slots

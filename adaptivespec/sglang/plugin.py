@@ -41,7 +41,7 @@ from adaptivespec.sglang.policy_bridge import (
     TripletController,
     build_strategies,
     format_shapes,
-    sglang_shape,
+    sglang_shapes,
     step_level_notice,
     wrap_verify,
 )
@@ -72,7 +72,7 @@ def register() -> None:
 
         assert_api()
         config = load_config(path)
-        ShapeStateBank({sglang_shape(s) for s in build_strategies(config)[0].shapes()})  # refuse what SGLang cannot run, now
+        ShapeStateBank(sglang_shapes(build_strategies(config)[0].shapes()))  # refuse what SGLang cannot run, now
         _install(path)
     except Exception as exc:
         _refuse_eagle_worker(f"{type(exc).__name__}: {exc}")
@@ -379,7 +379,8 @@ class StepTrace:
 
         s = record.shape
         line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
-                "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3), "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+                "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3),
+                "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
         self._file.write(json.dumps(line) + "\n")
 
 

@@ -78,6 +78,11 @@ def sglang_shape(shape: TreeShape) -> TreeShape:
     return TreeShape(min(shape.nsteps, shape.ndt - 1), shape.topk, shape.ndt) if shape.ndt >= 2 else shape
 
 
+def sglang_shapes(shapes: Iterable[TreeShape]) -> set[TreeShape]:
+    """The set of shapes SGLang runs for a policy's ``shapes`` (:func:`sglang_shape` of each)."""
+    return {sglang_shape(s) for s in shapes}
+
+
 def load_floor_shape(shapes: Iterable[TreeShape]) -> TreeShape:
     """The smallest tree a load-aware controller falls back to under a large batch: one draft
     step, one drafted token verified (``ndt = 2``), at the bank's smallest ``topk`` (SGLang's EAGLE
@@ -169,7 +174,7 @@ class LoadModel:
         if batch_size <= 1:
             return shape
         best, best_rate = shape, self.tokens_per_s(shape, batch_size)
-        for s in sorted(shapes):
+        for s in shapes:
             if s.ndt < shape.ndt:
                 rate = self.tokens_per_s(s, batch_size)
                 if rate > best_rate:
@@ -211,7 +216,7 @@ class TripletController:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
         if verify_budget is not None and verify_budget < 2:
             raise AdaptiveSpecError(f"verify_budget: expected at least 2 verified rows per step, got {verify_budget}")
-        own = {sglang_shape(s) for s in policy.shapes()}
+        own = sglang_shapes(policy.shapes())
         if (verify_budget is not None or load is not None) and own:
             own.add(load_floor_shape(own))
         shapes = tuple(sorted(own))
@@ -313,10 +318,10 @@ class TripletController:
             return None
         self._observed_at = time.perf_counter()
         step_ms = (self._observed_at - p.started) * 1e3
-        mean_accepted = _reduce([int(a) for a in num_correct_drafts_per_req], "mean")
+        per_request = [int(a) for a in num_correct_drafts_per_req]
         if self.load is not None:
-            self.load.observe(p.shape, mean_accepted)
-        accepted = int(_reduce([int(a) for a in num_correct_drafts_per_req], self.batch_reduce))
+            self.load.observe(p.shape, _reduce(per_request, "mean"))
+        accepted = int(_reduce(per_request, self.batch_reduce))
         promoted = int(_reduce(p.promoted, self.batch_reduce)) if p.promoted else 0
         record = StepRecord(
             step=p.step,

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang import CONFIG_ENV, PLUGIN_NAME
 from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
-from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies, sglang_shape
+from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies, sglang_shapes
 from adaptivespec.types import TreeShape
 
 INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
@@ -182,7 +182,7 @@ def bank_shapes(config_path: str | Path) -> tuple[tuple[TreeShape, ...], TreeSha
     the server starts at."""
     from adaptivespec.config import load_config
 
-    bank = ShapeStateBank({sglang_shape(s) for s in build_strategies(load_config(config_path))[0].shapes()})
+    bank = ShapeStateBank(sglang_shapes(build_strategies(load_config(config_path))[0].shapes()))
     return bank.shapes, bank.max_shape()
 
 
