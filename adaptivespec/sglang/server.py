@@ -210,9 +210,21 @@ class SGLangServer:
         out["wall_seconds"] = time.perf_counter() - t0
         return out
 
-    def flush_cache(self) -> None:
-        """Empty SGLang's prefix (radix) cache: the next request prefills from scratch."""
-        self.request("POST", "/flush_cache", timeout=60)
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """Empty SGLang's prefix (radix) cache: the next request prefills from scratch.
+
+        SGLang refuses a flush (HTTP 400) while a request is still running or queued, which
+        includes the moments after a response was sent and before the scheduler retired it, so
+        the flush waits for idle (SGLang's ``timeout`` query) and is retried until ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            status, out = self.request("POST", f"/flush_cache?timeout={min(left, 10.0):.1f}", timeout=left + 30)
+            if status == 200:
+                return
+            if time.monotonic() >= deadline:
+                raise AdaptiveSpecError(f"SGLang /flush_cache returned {status} for {timeout:.0f} s: {str(out)[:200]}")
+            time.sleep(0.1)
 
 
 def chat_request(messages: Sequence[dict[str, Any]], max_tokens: int, *, response_format=None,
