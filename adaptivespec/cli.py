@@ -145,7 +145,8 @@ def run_generate(args) -> int:
             if args.json:
                 print(json.dumps({"id": pid, "text": result.text, "token_ids": result.token_ids, "stats": s}), flush=True)
             else:
-                print(f"\n[{s['new_tokens']} tokens in {s['wall_seconds']:.2f} s, {s['tokens_per_second']:.2f} tok/s, "
+                print(f"\n[{s['new_tokens']} tokens in {s['wall_seconds']:.2f} s ({s['prefill_seconds']:.2f} s to the first), "
+                      f"{s['tokens_per_second']:.2f} tok/s, "
                       f"{s['target_forwards']} target forwards, accept length {s['accept_length_mean']:.2f}, "
                       f"{s['promoted_tokens']} promoted, {config.policy.name}+{config.verifier.name}"
                       f"{'' if engine.lossless else ' (lossy)'}]", flush=True)

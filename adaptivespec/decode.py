@@ -54,7 +54,8 @@ class GenerationResult:
     """Generated ids only (the final EOS included when generation stopped there)."""
     text: str
     stats: dict[str, Any]
-    """new_tokens, target_forwards, accept_length_mean, wall_seconds, tokens_per_second, promoted_tokens;
+    """new_tokens, target_forwards, accept_length_mean, wall_seconds, tokens_per_second, promoted_tokens,
+    prefill_seconds (the wall time to the first token, included in wall_seconds);
     accepted_by_source (speculative configs: accepted tokens per proposer, see StepRecord)."""
     records: list[StepRecord] = attrs.field(factory=list)
     prompt_id: Any = None
@@ -164,6 +165,7 @@ class Engine:
         rt.logits_processor = constraint.mask_next if constraint is not None else None
         proposer.reset(prompt_ids, constraint)
         done = self._take(out, [rt.prefill(prompt_ids, limit)], limit, on_tokens)
+        prefill = time.perf_counter() - t0  # to the first token (the prompt's forward; for a drafter, its too)
         proposer.extend(out)
         forwards, promoted, last_accepted, step = 1, 0, -1, 0
         while not done:
@@ -187,6 +189,7 @@ class Engine:
             "accept_length_mean": len(out) / forwards,
             "wall_seconds": wall,
             "tokens_per_second": len(out) / wall if wall > 0 else 0.0,
+            "prefill_seconds": prefill,
             "promoted_tokens": promoted,
         }
         if speculative:

@@ -85,6 +85,14 @@ def test_bench_writes_results(bench_run, random_head_dir):
     assert rows["ar"]["speedup_vs_ar"] == pytest.approx(1.0) and rows["eagle3"]["speedup_vs_eagle3"] == pytest.approx(1.0)
     assert rows["eagle3"]["accepted_per_step"]["steps"] > 0 and rows["ar"]["accepted_per_step"]["steps"] == 0
     assert rows["hf-generate"]["target_forwards"] == rows["ar"]["target_forwards"]
+    # the engine reports its prefill (within the wall time); a peer does not, so it has no decode rate
+    for name in ("ar", "eagle3"):
+        row = rows[name]
+        assert 0 < row["prefill_seconds"] < row["wall_seconds"]
+        assert row["decode_tokens_per_second"] == pytest.approx(
+            (row["new_tokens"] - 2) / (row["wall_seconds"] - row["prefill_seconds"]))
+    assert rows["ar"]["decode_speedup_vs_ar"] == pytest.approx(1.0)
+    assert rows["hf-generate"]["prefill_seconds"] is None and rows["hf-generate"]["decode_speedup_vs_ar"] is None
     # all three are greedy decoding of the same float32 target: the same text
     texts = {}
     for r in records(bench_run):
@@ -219,6 +227,26 @@ def test_summarize_speedups_and_retention(tmp_path):
     assert rows["ar"]["accept_length_mean"] == pytest.approx(400 / 200)
     assert all(r["complete"] for r in rows.values())
     assert bench.pick_reference(res["configs"], forced="ar") == "ar"
+
+
+def test_decode_rate_leaves_the_prefill_out(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    for r in recs:  # 4 prompts x 10 s each, 4 s of them prefill; ar makes 100 tokens a prompt, eagle3 200
+        if r["config"] != "hf-generate":
+            r["prefill_seconds"] = 4.0
+    res = summarize(spec, problems, recs)
+    rows = {r["name"]: r for r in res["configs"]}
+    assert rows["ar"]["prefill_seconds"] == pytest.approx(16.0)
+    assert rows["ar"]["decode_tokens_per_second"] == pytest.approx((400 - 4) / 24.0)
+    assert rows["eagle3"]["decode_speedup_vs_ar"] == pytest.approx((800 - 4) / (400 - 4))
+    assert rows["eagle3"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert rows["hf-generate"]["decode_tokens_per_second"] is None
+    # per category too, and the category table shows the decode speedup where there is one
+    assert "decode speedup vs AR" not in bench.markdown(res)  # gsm8k has no categories
+    from adaptivespec.evaluation import categories
+
+    md = categories.markdown({"ar": "ar", "configs": res["configs"], "categories": {"all": {"prompts": 4, "configs": res["configs"]}}})
+    assert "decode speedup vs AR" in md and "2.01×" in md
 
 
 def test_answer_agreement_against_the_reference(tmp_path):

@@ -141,3 +141,38 @@ def test_packed_weight_matches_linear_on_either_kernel_and_falls_back_for_shapes
             y = pw(x)
             assert y.shape == (rows, out_features) and y.dtype == torch.bfloat16
             torch.testing.assert_close(y.float(), ref, rtol=0.02, atol=0.05)
+
+
+def test_folded_tree_attention_is_bit_identical_to_transformers(monkeypatch):
+    """Query heads folded into rows (long-context tree attention) compute the same outputs."""
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 1)  # fold at this test's short context
+    folds = []
+    fold = fastforward._fold_mask
+    monkeypatch.setattr(fastforward, "_fold_mask", lambda *a: folds.append(fold(*a)) or folds[-1])
+    model = tiny()
+    needs_prepack(model)
+    ref, got = trace(model, model), trace(FastLlama(model, sgl=None), model)
+    # the tree step and the 3-row step over the cache; not the prefill (causal) or the one-row step
+    assert [f is not None for f in folds] == [False, False, True, True]
+    for r, g in zip(ref, got):
+        assert torch.equal(g.logits, r.logits)
+
+
+@torch.inference_mode()
+def test_fold_mask_gives_grouped_attention_over_a_long_cache():
+    torch.manual_seed(0)
+    heads, kv_heads, n, keys = 9, 3, 6, 1500
+    q = torch.randn(1, heads, n, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, kv_heads, keys, 64, dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, n, keys, dtype=torch.bfloat16)
+    mask[..., keys - n:] = torch.full((n, n), float("-inf")).triu(1)
+    folded = fastforward._fold_mask(mask, n, heads // kv_heads, keys)
+    assert folded.shape == (1, 1, 3 * n, keys)
+    got = torch.nn.functional.scaled_dot_product_attention(q.reshape(1, kv_heads, 3 * n, 64), k, v, attn_mask=folded)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(got.view(1, heads, n, 64), ref)
+    # where it does not pay, or does not apply, no fold
+    assert fastforward._fold_mask(mask, n, 3, fastforward.FOLD_MIN_KEYS - 1) is None
+    assert fastforward._fold_mask(mask, 9, 3, keys) is None  # 27 rows: more than one row block
+    assert fastforward._fold_mask(None, n, 3, keys) is None and fastforward._fold_mask(mask, n, 1, keys) is None

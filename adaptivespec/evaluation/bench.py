@@ -16,13 +16,17 @@ The run, in order:
 4. ``results.json``, ``results.md`` and the plots are written from ``records.jsonl``.
 
 Aggregates per contender: ``tokens_per_second`` = total new tokens / total wall seconds (prefill
-included, grading excluded); ``accept_length_mean`` = total new tokens / total target forwards;
+included, grading excluded); ``prefill_seconds`` = total wall seconds to the first token and
+``decode_tokens_per_second`` = the tokens after the first / the wall seconds after it (None for a
+contender that does not report its prefill, such as the peers): at long prompts the prefill is a
+large share of every contender's time, equal for all, and the decode rate is what speculation
+changes; ``accept_length_mean`` = total new tokens / total target forwards;
 ``accuracy`` = correct / graded; ``retention`` = accuracy / accuracy of the *reference*, the
 lossless config chosen by :func:`pick_reference` (the sweep's ``--reference``; else the config named
 ``eagle3``, else ``ar``, else the first lossless config). ``speedup_vs_ar`` divides by the
 tokens/s of the autoregressive config (the one named ``ar``, else the first autoregressive one),
 ``speedup_vs_eagle3`` by that of the config named ``eagle3``, ``speedup_vs_reference`` by that of
-the reference. ``answer_agreement`` = share of the prompts run by both where the extracted final
+the reference; ``decode_speedup_vs_ar`` divides the decode rates. ``answer_agreement`` = share of the prompts run by both where the extracted final
 answer equals the reference's (two missing answers count as equal), the measure of what a lossy
 verifier changes that does not depend on the target being good at the task; ``identical_outputs``
 = share whose whole text equals the reference's.
@@ -65,7 +69,7 @@ RESULTS_JSON, RESULTS_MD = "results.json", "results.md"
 SPEEDUP_PLOT, ACCEPT_PLOT, PARETO_PLOT = "speedup_retention.png", "accept_lengths.png", "pareto.png"
 
 RECORD_FIELDS = ("id", "new_tokens", "target_forwards", "wall_seconds", "tokens_per_second",
-                 "accept_length_mean", "promoted_tokens", "correct", "extracted")
+                 "accept_length_mean", "promoted_tokens", "correct", "extracted", "prefill_seconds")
 """Per-prompt fields kept in ``results.json`` (``records.jsonl`` also has the text and steps)."""
 
 
@@ -435,11 +439,16 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     graded = [r["correct"] for r in records if r.get("correct") is not None]
     steps = Counter(a for r in records for a in r.get("accepted", []))
     n_steps = sum(steps.values())
+    prefill = [r.get("prefill_seconds") for r in records]
+    prefill_total = sum(prefill) if records and None not in prefill else None
+    decode_wall = wall - prefill_total if prefill_total is not None else None
     return {
         "prompts": len(records),
         "new_tokens": new,
         "wall_seconds": wall,
         "tokens_per_second": new / wall if wall > 0 else None,
+        "prefill_seconds": prefill_total,
+        "decode_tokens_per_second": (new - len(records)) / decode_wall if decode_wall else None,
         "target_forwards": sum(forwards) if records and None not in forwards else None,
         "accept_length_mean": new / sum(forwards) if records and None not in forwards and sum(forwards) else None,
         "promoted_tokens": sum(r.get("promoted_tokens") or 0 for r in records),
@@ -491,10 +500,12 @@ def summarize(spec: BenchSpec, problems: list[Problem], records: list[dict[str, 
         row["complete"] = row["prompts"] == len(problems)
     ref, ar = pick_reference(rows, spec.reference), pick_ar(rows)
     tps = {r["name"]: r["tokens_per_second"] for r in rows}
+    decode_tps = {r["name"]: r["decode_tokens_per_second"] for r in rows}
     acc = {r["name"]: r["accuracy"] for r in rows}
     eagle3 = "eagle3" if "eagle3" in tps else None
     for row in rows:
         row["speedup_vs_ar"] = _ratio(row["tokens_per_second"], tps[ar]) if ar else None
+        row["decode_speedup_vs_ar"] = _ratio(row["decode_tokens_per_second"], decode_tps[ar]) if ar else None
         row["speedup_vs_eagle3"] = _ratio(row["tokens_per_second"], tps[eagle3]) if eagle3 else None
         row["speedup_vs_reference"] = _ratio(row["tokens_per_second"], tps[ref]) if ref else None
         row["retention"] = _ratio(row["accuracy"], acc[ref]) if ref else None

@@ -36,7 +36,7 @@ MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "ex
 CATEGORY_FIELDS = ("name", "kind", "lossless", "autoregressive", "prompts", "complete", "new_tokens", "wall_seconds",
                    "tokens_per_second", "speedup_vs_ar", "speedup_vs_eagle3", "speedup_vs_reference",
                    "accept_length_mean", "accuracy", "correct", "graded", "retention", "answer_agreement",
-                   "accepted_per_step")
+                   "accepted_per_step", "prefill_seconds", "decode_tokens_per_second", "decode_speedup_vs_ar")
 """Per-contender fields kept in each category's table (``sweep`` rows keep their swept values too)."""
 
 DEPTHS = 3
@@ -160,14 +160,18 @@ def markdown(results: dict[str, Any]) -> str:
     if any(r["prompts"] and not r["complete"] for c in cats.values() for r in c["configs"]):
         lines += ["", "\\* incomplete: the contender has not run every prompt of that category."]
     graded = any(r["graded"] for c in cats.values() for r in c["configs"])
-    head = ["category", "config", "prompts", "tok/s", "speedup vs AR", "speedup vs EAGLE-3", "accept length τ",
+    decode = any(r.get("decode_speedup_vs_ar") is not None for c in cats.values() for r in c["configs"])
+    head = ["category", "config", "prompts", "tok/s", "speedup vs AR", *(["decode speedup vs AR"] if decode else []),
+            "speedup vs EAGLE-3", "accept length τ",
             "steps accepting ≥" + "/≥".join(map(str, range(1, DEPTHS + 1))), *(["accuracy"] if graded else [])]
     lines += ["", "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for cat, c in cats.items():
         for r in c["configs"]:
             acc = ("–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}% ({r['correct']}/{r['graded']})")
             cells = [cat, f"`{r['name']}`", f"{r['prompts']}/{c['prompts']}", _fmt(r["tokens_per_second"], ".2f"),
-                     _fmt(r["speedup_vs_ar"], ".2f", "×"), _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
+                     _fmt(r["speedup_vs_ar"], ".2f", "×"),
+                     *([_fmt(r.get("decode_speedup_vs_ar"), ".2f", "×")] if decode else []),
+                     _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
                      _fmt(r["accept_length_mean"], ".2f"), _reach_cell(r.get("accepted_per_step")), *([acc] if graded else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
