@@ -3,8 +3,11 @@
 Each config runs in its own process (so its peak is its own): one long prompt (the first
 ``longctx`` prompt of about ``--prompt-tokens`` tokens), ``--repeats`` generations of
 ``--new-tokens`` tokens with EOS ignored, after one generation of ``--peak-tokens`` tokens. It
-prints, per config, RSS after the first and the last repeat, the largest growth between repeats
-and the peak RSS (``VmHWM``), and writes them as JSON.
+prints, per config, RSS after the first and the last repeat, the largest growth between repeats,
+the trend (least-squares slope of RSS over the repeats, MiB per generation: a leak is a steady
+positive slope, allocator noise moves up and down around a flat line) and the peak RSS
+(``VmHWM``); it writes them as JSON with the RSS after every repeat (``rss_series_mib``), and a
+plot of those series (``--plot``).
 
     python scripts/memory_check.py --configs configs/ar.yaml configs/hybrid.yaml --out runs/memory.json
 """
@@ -23,6 +26,35 @@ def rss_mib(field: str = "VmRSS") -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def slope(series: list[float]) -> float:
+    """Least-squares slope of ``series`` against its index (0 for fewer than two points)."""
+    n = len(series)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(series) / n
+    return sum((i - mx) * (y - my) for i, y in enumerate(series)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        ys = r["rss_series_mib"]
+        ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"{Path(r['config']).stem} ({r['slope_mib_per_repeat']:+.1f} MiB/gen)")
+    ax.set_xlabel(f"generation ({rows[0]['new_tokens']} new tokens each, after one of {rows[0]['peak_tokens']})")
+    ax.set_ylabel("RSS after it (MiB)")
+    ax.set_title(f"Resident memory over repeated generations, {rows[0]['prompt_tokens']}-token prompt")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def child(args) -> None:
@@ -46,7 +78,8 @@ def child(args) -> None:
     print(json.dumps({"config": args.child, "prompt_tokens": len(ids), "peak_tokens": args.peak_tokens,
                       "repeats": args.repeats, "new_tokens": args.new_tokens, "rss_first_mib": round(after[0], 1),
                       "rss_last_mib": round(after[-1], 1), "max_step_growth_mib": round(growth, 1),
-                      "peak_rss_mib": round(rss_mib("VmHWM"), 1)}))
+                      "slope_mib_per_repeat": round(slope(after), 2), "peak_rss_mib": round(rss_mib("VmHWM"), 1),
+                      "rss_series_mib": [round(x, 1) for x in after]}))
 
 
 def main() -> None:
@@ -59,19 +92,27 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="runs/memory.json")
+    ap.add_argument("--plot", default=None, help="also plot every config's RSS series to this PNG")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
     rows = []
-    for cfg in args.configs:
+    from tqdm import tqdm
+
+    for cfg in tqdm(args.configs, desc="configs", unit="config"):
         cmd = [sys.executable, __file__, "--child", cfg, *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                                                           if k in ("prompt_tokens", "peak_tokens", "repeats", "new_tokens", "threads"))]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
-        print(rows[-1], flush=True)
+        r = rows[-1]
+        tqdm.write(f"{r['config']}: RSS {r['rss_first_mib']} -> {r['rss_last_mib']} MiB over {r['repeats']} generations, "
+                   f"trend {r['slope_mib_per_repeat']:+.2f} MiB/generation, largest jump {r['max_step_growth_mib']} MiB, "
+                   f"peak {r['peak_rss_mib']} MiB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.plot:
+        plot(rows, Path(args.plot))
 
 
 if __name__ == "__main__":
