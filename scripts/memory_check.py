@@ -4,8 +4,9 @@ Each config runs in its own process (so its peak is its own): one long prompt (t
 ``longctx`` prompt of about ``--prompt-tokens`` tokens), ``--repeats`` generations of
 ``--new-tokens`` tokens with EOS ignored, after one generation of ``--peak-tokens`` tokens. It
 prints, per config, RSS after the first and the last repeat, the largest growth between repeats,
-the trend (least-squares slope of RSS over the repeats, MiB per generation: a leak is a steady
-positive slope, allocator noise moves up and down around a flat line) and the peak RSS
+the trend (least-squares slope of RSS over the repeats, MiB per generation, with its standard
+error: a leak is a steady positive slope well above its error, allocator noise moves up and down
+around a flat line) and the peak RSS
 (``VmHWM``); it writes them as JSON with the RSS after every repeat (``rss_series_mib``), and a
 plot of those series (``--plot``).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,16 @@ def slope(series: list[float]) -> float:
         return 0.0
     mx, my = (n - 1) / 2, sum(series) / n
     return sum((i - mx) * (y - my) for i, y in enumerate(series)) / sum((i - mx) ** 2 for i in range(n))
+
+
+def slope_stderr(series: list[float]) -> float:
+    """Standard error of :func:`slope` (how far noise alone moves it; 0 for fewer than three points)."""
+    n = len(series)
+    if n < 3:
+        return 0.0
+    b, mx, my = slope(series), (n - 1) / 2, sum(series) / n
+    resid = sum((y - my - b * (i - mx)) ** 2 for i, y in enumerate(series))
+    return math.sqrt(resid / (n - 2) / sum((i - mx) ** 2 for i in range(n)))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -78,7 +90,8 @@ def child(args) -> None:
     print(json.dumps({"config": args.child, "prompt_tokens": len(ids), "peak_tokens": args.peak_tokens,
                       "repeats": args.repeats, "new_tokens": args.new_tokens, "rss_first_mib": round(after[0], 1),
                       "rss_last_mib": round(after[-1], 1), "max_step_growth_mib": round(growth, 1),
-                      "slope_mib_per_repeat": round(slope(after), 2), "peak_rss_mib": round(rss_mib("VmHWM"), 1),
+                      "slope_mib_per_repeat": round(slope(after), 2), "slope_stderr_mib": round(slope_stderr(after), 2),
+                      "peak_rss_mib": round(rss_mib("VmHWM"), 1),
                       "rss_series_mib": [round(x, 1) for x in after]}))
 
 
@@ -107,7 +120,7 @@ def main() -> None:
         rows.append(json.loads(out))
         r = rows[-1]
         tqdm.write(f"{r['config']}: RSS {r['rss_first_mib']} -> {r['rss_last_mib']} MiB over {r['repeats']} generations, "
-                   f"trend {r['slope_mib_per_repeat']:+.2f} MiB/generation, largest jump {r['max_step_growth_mib']} MiB, "
+                   f"trend {r['slope_mib_per_repeat']:+.2f} ± {r['slope_stderr_mib']:.2f} MiB/generation, largest jump {r['max_step_growth_mib']} MiB, "
                    f"peak {r['peak_rss_mib']} MiB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")

@@ -25,6 +25,9 @@ def test_slope_separates_a_leak_from_noise(memory_check):
     noise = [100.0, 140.0, 95.0, 138.0, 138.0, 101.0, 141.0, 99.0]  # large jumps, no trend
     assert abs(memory_check.slope(noise)) < 1.0 and max(b - a for a, b in zip(noise, noise[1:])) > 30
     assert memory_check.slope([5.0]) == 0.0
+    # the error says how much of a slope noise alone explains: none of a clean line, most of the noise's
+    assert memory_check.slope_stderr([100.0 + 2.5 * i for i in range(20)]) == pytest.approx(0.0, abs=1e-9)
+    assert memory_check.slope_stderr(noise) > abs(memory_check.slope(noise))
 
 
 def test_plot_writes_a_png(memory_check, tmp_path):
