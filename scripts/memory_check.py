@@ -55,14 +55,15 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     for r in rows:
         ys = r["rss_series_mib"]
         ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"{Path(r['config']).stem} ({r['slope_mib_per_repeat']:+.1f} MiB/gen)")
     ax.set_xlabel(f"generation ({rows[0]['new_tokens']} new tokens each, after one of {rows[0]['peak_tokens']})")
     ax.set_ylabel("RSS after it (MiB)")
     ax.set_title(f"Resident memory over repeated generations, {rows[0]['prompt_tokens']}-token prompt")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
