@@ -315,3 +315,11 @@ def test_bench_samples_with_per_prompt_seeds_and_records_the_settings(models, ra
     peer = next(r for r in res["configs"] if r["name"] == "hf-generate")
     assert peer["config"]["generate"]["do_sample"] is True and peer["config"]["generate"]["top_k"] == 0
     assert "Sampling: temperature 0.7" in (out / "results.md").read_text()
+
+
+def test_warmup_takes_the_first_and_the_longest_prompt():
+    problems = load_dataset("longctx")[:6]
+    longest = max(problems, key=lambda p: len(p.prompt))
+    assert longest is not problems[0]
+    assert bench.warmup_problems(problems) == [problems[0], longest]
+    assert bench.warmup_problems([longest]) == [longest] and bench.warmup_problems([]) == []

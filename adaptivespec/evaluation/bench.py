@@ -4,8 +4,9 @@ The run, in order:
 
 1. every config is loaded with the shared ``--set`` overrides and ``generation.max_new_tokens``;
    the target is loaded once (``decode.load_models`` caches it per process);
-2. each contender is warmed up once (:data:`WARMUP_TOKENS` tokens, untimed, not recorded; an
-   SGLang contender on every prompt, as its CPU backend compiles kernels per prompt length); a
+2. each contender is warmed up on the first and the longest prompt (:data:`WARMUP_TOKENS` tokens,
+   untimed, not recorded; an SGLang contender on every prompt, as its CPU backend compiles kernels
+   per prompt length); a
    candidate source's cross-request output cache (off unless a config sets it) is emptied after
    it: each contender has its own, and a prompt never drafts from its own earlier outputs;
 3. for prompt ``i``, every contender runs in the order rotated by ``i`` (so slow drift of the
@@ -374,6 +375,16 @@ def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, prog
     return results
 
 
+def warmup_problems(problems: list[Problem]) -> list[Problem]:
+    """The prompts a contender warms up on: the first, and the longest where that is another one (a
+    long prompt's first prefill allocates its caches and meets new kernel sizes: at ~4k tokens it
+    took up to twice as long as the next, which fell on whichever contender ran it first)."""
+    if not problems:
+        return []
+    longest = max(problems, key=lambda p: len(p.prompt))
+    return [problems[0]] + ([longest] if longest is not problems[0] else [])
+
+
 def _run_todo(spec, problems, out, todo, names, contenders, progress) -> None:
     """Warm every contender up, then run the pending (prompt, contender) pairs in order."""
     from tqdm import tqdm
@@ -381,7 +392,7 @@ def _run_todo(spec, problems, out, todo, names, contenders, progress) -> None:
     formats = {f for f in map(response_format_of, problems) if f is not None}  # structured output
     for c in contenders.values():  # untimed warm-up: first-call allocations hit nobody's numbers
         # a contender that compiles per prompt length (SGLang's CPU backend) warms up on every prompt
-        for problem in problems if getattr(c, "warm_every_prompt", False) else problems[:1]:
+        for problem in problems if getattr(c, "warm_every_prompt", False) else warmup_problems(problems):
             fmt = response_format_of(problem)
             c.generate_ids(c.encode(problem.prompt), max_new_tokens=min(WARMUP_TOKENS, spec.max_new_tokens),
                            **({"response_format": fmt} if fmt is not None else {}))
