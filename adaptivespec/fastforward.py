@@ -57,7 +57,7 @@ def supported(model) -> str | None:
     return None
 
 
-FOLD_MAX_ROWS = 24
+FOLD_MAX_ROWS = 72
 """Fold grouped query heads into rows (:func:`_fold_mask`) when heads-per-KV-head x rows is at most this ..."""
 FOLD_MIN_KEYS = 1024
 """... and the cache holds at least this many keys (below it the fold does not pay)."""
@@ -71,9 +71,10 @@ def _fold_mask(mask: torch.Tensor | None, n: int, groups: int, keys: int) -> tor
     whole cache in each: with grouped heads (SmolLM2: 9 query heads on 3 KV heads) and a few rows, a
     tree's verify forward reads each KV head's cache 3 times, and at long context that read is its
     cost. Folding the ``groups`` query heads of a KV head into one block of ``groups * n`` rows
-    reads it once. Per row the arithmetic is the same (the outputs are identical); it pays from
-    ~1k keys on and only while the folded rows fit one of the kernel's row blocks (measured on a
-    2-core AMX Xeon, 4-8 tree rows at 4k keys: 0.59-0.68 -> 0.38-0.50 ms per layer; docs/speed.md)."""
+    reads it once. Per row the arithmetic is the same (the outputs are identical). On a 2-core AMX
+    Xeon it pays from ~1k keys on for trees of up to 24 rows with SmolLM2's 3 heads per KV head
+    (4096 keys: 4 rows 0.58 -> 0.33 ms per layer, 16 rows 0.79 -> 0.62, 24 rows 0.94 -> 0.81) and
+    stops paying at 32 (``scripts/attention_bench.py``; docs/speed.md)."""
     if mask is None or groups == 1 or n == 1 or groups * n > FOLD_MAX_ROWS or keys < FOLD_MIN_KEYS:
         return None
     return mask[:, :, :, :keys].expand(1, groups, n, keys).reshape(1, 1, groups * n, keys)

@@ -174,5 +174,5 @@ def test_fold_mask_gives_grouped_attention_over_a_long_cache():
     assert torch.equal(got.view(1, heads, n, 64), ref)
     # where it does not pay, or does not apply, no fold
     assert fastforward._fold_mask(mask, n, 3, fastforward.FOLD_MIN_KEYS - 1) is None
-    assert fastforward._fold_mask(mask, 9, 3, keys) is None  # 27 rows: more than one row block
+    assert fastforward._fold_mask(mask, 25, 3, keys) is None  # 75 folded rows: no longer pays
     assert fastforward._fold_mask(None, n, 3, keys) is None and fastforward._fold_mask(mask, n, 1, keys) is None
