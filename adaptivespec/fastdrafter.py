@@ -1,4 +1,4 @@
-"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (the drafter's :mod:`fastforward`).
+"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (:mod:`adaptivespec.fastforward` for the head).
 
 :class:`~adaptivespec.drafter.Eagle3Drafter` keeps transformers-style modules (separate Q, K and V,
 gate and up projections, ``LlamaRMSNorm``) so that its checkpoint layout and training stay those of
