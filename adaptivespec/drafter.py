@@ -114,6 +114,8 @@ class Eagle3Drafter(nn.Module):
         object.__setattr__(self, "embed_tokens", embed_tokens)  # shared with the target, not saved
         self._k = self._v = None
         self.length = 0
+        self.fast = None
+        """The fused inference path (:func:`adaptivespec.fastdrafter.fast_drafter` enables it), or None."""
 
     # -- construction / checkpoints ---------------------------------------------------------
     @staticmethod
@@ -227,9 +229,41 @@ class Eagle3Drafter(nn.Module):
         return head.to(dtype=dtype or p.dtype, device=device or p.device).eval()
 
     # -- inference --------------------------------------------------------------------------
-    def fuse(self, target_hidden: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """transformers' ``hidden_states`` tuple [.., T, H_t] -> fused state [.., T, H]."""
-        return self.fc(torch.cat([target_hidden[i + 1] for i in self.aux_layers], dim=-1))
+    def _fused(self):
+        """The fused inference path (:mod:`adaptivespec.fastdrafter`) for this call, or None: only where
+        the runtime enabled it, no gradient is wanted and the head is in eval mode; packed from the
+        current weights."""
+        if self.fast is None or self.training or torch.is_grad_enabled():
+            return None
+        return self.fast.ready(self)
+
+    def train(self, mode: bool = True) -> "Eagle3Drafter":
+        """As ``nn.Module.train``; training mode also drops the fused path's packed weights (stale once
+        the optimizer steps, and memory the training does not need)."""
+        if mode and self.fast is not None:
+            self.fast.release()
+        return super().train(mode)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``; the fused path repacks from the loaded weights on next use."""
+        if self.fast is not None:
+            self.fast.release()
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.fast = None  # another device or dtype: the runtime enables the fused path again where it applies
+        return super()._apply(fn, *args, **kwargs)
+
+    def fuse(self, target_hidden: tuple[torch.Tensor, ...], index: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' ``hidden_states`` tuple [.., T, H_t] -> fused state [.., T, H]; with ``index``
+        only those positions (T -> len(index))."""
+        parts = [target_hidden[i + 1] for i in self.aux_layers]
+        if index is not None:
+            parts = [p[..., index, :] for p in parts]
+        fast = self._fused()
+        if fast is not None:
+            return fast.fuse(parts)
+        return self.fc(torch.cat(parts, dim=-1))
 
     def reset_cache(self, capacity: int = 1024) -> None:
         cfg, p = self.config, self.lm_head.weight
@@ -248,30 +282,41 @@ class Eagle3Drafter(nn.Module):
             v[:, :, : self.length] = self._v[:, :, : self.length]
             self._k, self._v = k, v
 
+    def append_kv(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype):
+        """Append keys / values [1, kv_heads, b, d] to the cache; returns the cache's keys and values
+        up to the new length and the attention mask of the ``b`` new rows (``mask``, or causal over
+        the new chunk when None and b > 1)."""
+        b, start = k.shape[2], self.length
+        self._ensure(start + b)
+        self._k[:, :, start : start + b] = k
+        self._v[:, :, start : start + b] = v
+        self.length = start + b
+        if mask is None and b > 1:
+            mask = torch.zeros(1, 1, b, self.length, dtype=dtype, device=k.device)
+            mask[..., start:] = torch.full((b, b), float("-inf"), dtype=dtype, device=k.device).triu(1)
+        return self._k[:, :, : self.length], self._v[:, :, : self.length], mask
+
     def step(self, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Run ``b`` new positions and append their keys / values to the cache.
 
         tokens [b] target ids; state [b, H]; positions [b]; mask: additive float
         [1, 1, b, length + b] (None = causal over the new chunk). Returns output states [b, H].
         """
-        b = tokens.shape[0]
+        fast = self._fused()
+        if fast is not None:
+            return fast.step(self, tokens, state, positions, mask)
         x = self.midlayer.pre(self.embed_tokens(tokens), state).unsqueeze(0)  # [1, b, 2H]
         cos, sin = self.rotary(x, positions.unsqueeze(0))
         q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
-        start = self.length
-        self._ensure(start + b)
-        self._k[:, :, start : start + b] = k
-        self._v[:, :, start : start + b] = v
-        self.length = start + b
-        keys, values = self._k[:, :, : self.length], self._v[:, :, : self.length]
-        if mask is None and b > 1:
-            mask = torch.zeros(1, 1, b, self.length, dtype=x.dtype, device=x.device)
-            mask[..., start:] = torch.full((b, b), float("-inf"), dtype=x.dtype, device=x.device).triu(1)
+        keys, values, mask = self.append_kv(k, v, mask, x.dtype)
         attn = self.midlayer.self_attn.attend(q, keys, values, mask)
         return self.midlayer.post(state.unsqueeze(0), attn).squeeze(0)
 
     def log_probs(self, out_state: torch.Tensor) -> torch.Tensor:
         """Output states [.., H] -> draft-vocabulary log-probabilities [.., Vd] (float32)."""
+        fast = self._fused()
+        if fast is not None:
+            return fast.log_probs(out_state)
         return torch.log_softmax(self.lm_head(self.norm(out_state)).float(), dim=-1)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

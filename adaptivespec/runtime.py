@@ -19,6 +19,7 @@ import torch
 import adaptivespec
 from adaptivespec.attention import use_tree_sdpa
 from adaptivespec.bank import ShapeBank
+from adaptivespec.fastdrafter import fast_drafter
 from adaptivespec.fastforward import fast_forward
 from adaptivespec.kvcache import buffered_cache
 from adaptivespec.prepack import prepack_linears
@@ -64,9 +65,11 @@ class TorchRuntime:
         # norms, weights packed once); None elsewhere, and then the model itself runs
         self.fast = fast_forward(target)
         self.forward = self.fast if self.fast is not None else target
-        # bfloat16 on a CPU: weights laid out once for the matmul kernel, not per call (the target only
-        # where its own forward runs: the fused one keeps its own packed copies)
-        for module in (target if self.fast is None else None, drafter):
+        # the drafter's inference path fused likewise (Q|K|V and gate|up in one matmul each, fused norms)
+        self.fast_drafter = fast_drafter(drafter)
+        # bfloat16 on a CPU: weights laid out once for the matmul kernel, not per call (each model only
+        # where its own modules run: the fused paths keep their own packed copies)
+        for module in (target if self.fast is None else None, drafter if self.fast_drafter is None else None):
             if module is not None:
                 prepack_linears(module)
         p = next(target.parameters())
@@ -202,7 +205,7 @@ class TorchRuntime:
         # Drafter: drop the draft slots, then run the accepted pairs (token[i+1], state[i]).
         d = self.drafter
         d.length = self.P
-        state = d.fc(torch.cat([hidden_states[i + 1][0, idx] for i in d.aux_layers], dim=-1))  # [kept, H]
+        state = d.fuse(hidden_states, idx)[0]  # [kept, H]
         tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
         positions = self.P + torch.arange(kept, device=self.device)
         self._set_root(d.step(tokens, state, positions, None)[-1])

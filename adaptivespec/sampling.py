@@ -85,7 +85,7 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] float32 sampling distribution of the target from its logits."""
         if self.greedy:  # the limit of temperature -> 0: all mass on the (first) argmax
-            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            return torch.nn.functional.one_hot(greedy_ids(logits), logits.shape[-1]).float()
         return warp(logits, self.temperature, self.top_k, self.top_p, self.min_p).softmax(-1)
 
     # -- draws -------------------------------------------------------------------------------------
@@ -101,13 +101,22 @@ class Sampler:
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         """0-dim token from one row of logits [V]: the argmax when greedy, else a draw."""
         if self.greedy:
-            return logits.argmax()
+            return greedy_ids(logits)
         return self.draw(self.probs(logits))
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: the index of each row's first maximum ([...] from [..., V]).
+
+    Computed as ``max(-1).indices`` (documented to return the first maximal value's index, as argmax):
+    on the CPU, torch's argmax over a 49k vocabulary in bfloat16 is ~4x slower (8 rows: ~0.75 vs
+    ~0.17 ms; one row: ~0.19 vs ~0.04 ms), paid by every greedy verify and decoding step."""
+    return logits.max(-1).indices
 
 
 def pick_next(sampler: Sampler | None, logits: torch.Tensor) -> torch.Tensor:
     """The runtime's next token from logits [V]: greedy without a sampler."""
-    return logits.argmax() if sampler is None else sampler.next_token(logits)
+    return greedy_ids(logits) if sampler is None else sampler.next_token(logits)
 
 
 # -- the lossless tree test ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 from adaptivespec.config import load_config
 from adaptivespec.errors import ConfigError
-from adaptivespec.sampling import Sampler, warp
+from adaptivespec.sampling import Sampler, greedy_ids, warp
 from adaptivespec.tree import make_tree
 from adaptivespec.types import TreeShape
 from adaptivespec.verifiers.margin import MarginParams, MarginVerifier
@@ -382,3 +382,15 @@ def test_prompts_file_seed_is_validated(tmp_path):
     path.write_text('{"prompt": "x", "seed": -3}\n')
     with pytest.raises(AdaptiveSpecError, match='p.jsonl:1: "seed": expected a non-negative integer, got -3'):
         read_prompts(str(path))
+
+
+def test_greedy_ids_is_argmax_first_maximum_included():
+    """The fast greedy pick must be torch's argmax exactly, ties (common in bfloat16 logits) included."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(8, 49152).to(dtype)
+        x[:, [7, 300, 40000]] = x.max() + 1  # three-way ties of every row's maximum
+        coarse = (torch.randn(4, 1000) * 2).round().to(dtype)  # many ties anywhere
+        for t in (x, coarse, x[3]):
+            assert torch.equal(greedy_ids(t), t.argmax(-1))
+        assert greedy_ids(x).tolist() == [7] * 8

@@ -13,7 +13,7 @@ import torch
 
 import adaptivespec
 from adaptivespec.config import number_in, one_of, optional_positive_int
-from adaptivespec.sampling import residual_draw, sibling_accept
+from adaptivespec.sampling import greedy_ids, residual_draw, sibling_accept
 from adaptivespec.strategies import Verifier
 from adaptivespec.tree import accepted_path, emit, greedy_matches
 from adaptivespec.types import DraftTree, VerifyResult
@@ -86,7 +86,7 @@ class MarginVerifier(Verifier):
         child, par = torch.arange(1, n, device=device), parent[1:]  # drafted nodes, their parents
 
         # 1. target scores: top-1 per node, and each drafted token's logit at its parent
-        top1 = logits.argmax(-1)  # [n]
+        top1 = greedy_ids(logits)  # [n]
         z_top = logits.gather(1, top1.unsqueeze(1)).squeeze(1).float()  # [n] z_u[t(u)]
         z_tok = logits[parent, tree.tokens].float()  # [n] z_parent(i)[token(i)]
         match = greedy_matches(tree, top1)  # [n] strict rule; match[0] = True

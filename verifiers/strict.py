@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import adaptivespec
-from adaptivespec.sampling import residual_draw, sibling_accept
+from adaptivespec.sampling import greedy_ids, residual_draw, sibling_accept
 from adaptivespec.strategies import Verifier
 from adaptivespec.tree import accepted_path, emit, greedy_matches
 from adaptivespec.types import DraftTree, VerifyResult
@@ -66,7 +66,7 @@ class StrictVerifier(Verifier):
             probs = sampler.probs(logits)  # [n, V]
             last = accepted_path(tree, sibling_accept(tree, probs, sampler.uniform(tree.tokens.shape[0])))
             return emit(tree, last, residual_draw(tree, probs, last, sampler))
-        top1 = logits.argmax(-1)  # [n]
+        top1 = greedy_ids(logits)  # [n]
         last = accepted_path(tree, greedy_matches(tree, top1))
         return emit(tree, last, top1[last])
 

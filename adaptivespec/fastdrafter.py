@@ -1,0 +1,168 @@
+"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (:mod:`adaptivespec.fastforward` for the head).
+
+:class:`~adaptivespec.drafter.Eagle3Drafter` keeps transformers-style modules (separate Q, K and V,
+gate and up projections, ``LlamaRMSNorm``) so that its checkpoint layout and training stay those of
+SpecForge / EAGLE. A draft step runs them for one to a few rows, where each op's fixed cost dominates.
+:class:`FastEagle3` computes the same function from the same weights with fewer, fused ops:
+
+- one Q|K|V projection and one gate|up projection (weights concatenated once, prepacked); ``fc``
+  and ``lm_head`` prepacked too;
+- RMSNorm as one op (transformers' bfloat16 rounding with torch's ops), rotary embedding of Q and K
+  together, SwiGLU in place;
+- with SGLang's CPU kernels (:func:`~adaptivespec.prepack.sgl_ops`): their packed matmuls, RMSNorm,
+  fused residual-add + RMSNorm and SwiGLU.
+
+With torch's ops the outputs are those of the modules bit for bit; with SGLang's kernels they agree
+to bfloat16 rounding. It applies where the target's fused forward does (:func:`supported`; the same
+``$ADAPTIVESPEC_NO_FASTFORWARD`` / ``$ADAPTIVESPEC_NO_SGL_KERNEL`` / ``$ADAPTIVESPEC_NO_PREPACK``
+switches); float32 heads never take it. The runtime enables it once (:func:`fast_drafter`); the
+head's inference entry points (``fuse``, ``step``, ``log_probs``) then use it when no gradient is
+wanted and the head is in eval mode. The packed copies are rebuilt when the weights changed since
+(an optimizer step, ``load_state_dict``, any in-place update: the parameters' version counters tell),
+and dropped by ``train()`` so that training does not keep them in memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from adaptivespec.fastforward import DISABLE_ENV, _bias, _lin, _probe, _weight
+from adaptivespec.prepack import can_prepack, sgl_ops
+
+
+def supported(drafter) -> str | None:
+    """None when :class:`FastEagle3` can run ``drafter``; otherwise why not (a short reason)."""
+    if os.environ.get(DISABLE_ENV, "0") == "1":
+        return f"${DISABLE_ENV}=1"
+    if not can_prepack(drafter):
+        return "not bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
+    if getattr(drafter.config, "hidden_act", "silu") != "silu":
+        return "activation differs"
+    return None
+
+
+def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) of ``qk`` [n, heads, D] with cos / sin [n, 1, D]."""
+    half = qk.shape[-1] // 2
+    rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    return qk * cos + rot * sin
+
+
+class FastEagle3:
+    """The head's inference computations, fused (see the module's text). Weights are packed by
+    :meth:`ready`, on first use and again whenever the head's parameters changed."""
+
+    def __init__(self, drafter, sgl=None) -> None:
+        cfg = drafter.config
+        self.sgl = sgl
+        self.backend = "sgl_kernel" if sgl is not None else "onednn"
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.hidden = cfg.hidden_size
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.params: tuple[torch.Tensor, ...] = ()
+        self.versions: tuple[int, ...] = ()
+
+    # -- packing ---------------------------------------------------------------------------------
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.params)
+
+    def release(self) -> None:
+        """Drop the packed copies (training is about to change the weights); :meth:`ready` repacks."""
+        self.params, self.versions = (), ()
+        for name in ("fc", "qkv", "o", "gate_up", "down", "lm_head", "norms"):
+            self.__dict__.pop(name, None)
+
+    def ready(self, drafter) -> "FastEagle3":
+        """Pack ``drafter``'s current weights unless the packed copies still hold them; returns self."""
+        if self.params and self._versions() == self.versions:
+            return self
+        sgl, layer = self.sgl, drafter.midlayer
+        a, m = layer.self_attn, layer.mlp
+        dtype = drafter.lm_head.weight.dtype
+        qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        self.fc = _lin(_weight(drafter.fc), _bias((drafter.fc,), dtype), sgl)
+        self.qkv = _lin(torch.cat([_weight(p) for p in qkv]), _bias(qkv, dtype), sgl)
+        self.o = _lin(_weight(a.o_proj), _bias((a.o_proj,), dtype), sgl)
+        self.gate_up = _lin(torch.cat([_weight(p) for p in gu]), _bias(gu, dtype), sgl)
+        self.down = _lin(_weight(m.down_proj), _bias((m.down_proj,), dtype), sgl)
+        self.lm_head = _lin(_weight(drafter.lm_head), _bias((drafter.lm_head,), dtype), sgl)
+        self.norms = {name: (mod.weight.detach(), mod.variance_epsilon) for name, mod in (
+            ("emb", layer.input_layernorm), ("state", layer.hidden_norm), ("post", layer.post_attention_layernorm),
+            ("out", drafter.norm))}
+        self.params = tuple(drafter.parameters())
+        self.versions = self._versions()
+        return self
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        w, eps = self.norms[which]
+        if self.sgl is not None:
+            return self.sgl.rmsnorm_cpu(x.contiguous(), w, eps)
+        # transformers' LlamaRMSNorm: normalise in float32, round to the model's dtype, then scale
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+    def _linear(self, lin, x: torch.Tensor) -> torch.Tensor:
+        """``lin`` over the last dimension of ``x`` [..., in] (any leading shape)."""
+        return lin(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    # -- the head's entry points ------------------------------------------------------------------
+    def fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``fc`` over the concatenated target hidden states ``parts`` [..., H_t] each -> [..., H]."""
+        return self._linear(self.fc, torch.cat(parts, dim=-1))
+
+    def log_probs(self, out_state: torch.Tensor) -> torch.Tensor:
+        """Output states [.., H] -> draft-vocabulary log-probabilities [.., Vd] (float32)."""
+        x = out_state.reshape(-1, self.hidden)
+        logits = self.lm_head(self._rms(x, "out").contiguous())
+        return torch.log_softmax(logits.float(), dim=-1).view(*out_state.shape[:-1], -1)
+
+    def step(self, drafter, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`Eagle3Drafter.step <adaptivespec.drafter.Eagle3Drafter.step>`, fused: same arguments,
+        same cache updates, output states [b, H]."""
+        b = tokens.shape[0]
+        H, Hkv, D, qs = self.heads, self.kv_heads, self.head_dim, self.q_size
+        emb = F.embedding(tokens, drafter.embed_tokens.weight)
+        x = torch.cat([self._rms(emb, "emb"), self._rms(state, "state")], dim=-1)  # [b, 2H]
+        cos, sin = drafter.rotary(x, positions.unsqueeze(0))  # [1, b, D] each, in x's dtype
+        qkv = self.qkv(x)  # [b, qs + 2 ks]
+        qk = _rope(qkv[:, : qs + self.kv_size].view(b, H + Hkv, D), cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+        q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, b, D]
+        k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, b, D]
+        v = qkv[:, qs + self.kv_size:].view(b, Hkv, D).transpose(0, 1).unsqueeze(0)
+        keys, values, mask = drafter.append_kv(k, v, mask, x.dtype)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+        o = self.o(attn[0].transpose(0, 1).reshape(b, qs))
+        if self.sgl is not None:
+            h = state.clone(memory_format=torch.contiguous_format)  # the residual is the caller's: add into a copy
+            self.sgl.fused_add_rmsnorm_cpu(o, h, *self.norms["post"])  # h += o; o = rmsnorm(h)
+            gu = self.gate_up(o)
+            act = self.sgl.silu_and_mul_cpu(gu)
+        else:
+            h = state + o
+            gu = self.gate_up(self._rms(h, "post"))
+            inter = gu.shape[-1] // 2
+            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+        return h + self.down(act)
+
+
+def fast_drafter(drafter) -> FastEagle3 | None:
+    """Enable the fused inference path on ``drafter`` (kept on it) and return it, or None where it
+    does not apply (:func:`supported`), which also switches a previously enabled one off.
+
+    Called once by the runtime, as :func:`~adaptivespec.fastforward.fast_forward` for the target;
+    the weights are packed on first use."""
+    if drafter is None or not hasattr(drafter, "midlayer"):
+        return None
+    if supported(drafter) is not None:
+        drafter.fast = None
+        return None
+    cfg = drafter.config
+    sgl = _probe(sgl_ops(), cfg.hidden_size, cfg.intermediate_size)
+    key = "sgl_kernel" if sgl is not None else "onednn"
+    if drafter.fast is None or drafter.fast.backend != key:
+        drafter.fast = FastEagle3(drafter, sgl)
+    return drafter.fast
