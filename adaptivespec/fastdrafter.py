@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.fastforward import DISABLE_ENV, _bias, _lin, _probe, _weight
+from adaptivespec.fastforward import DISABLE_ENV, _bias, _fold_mask, _lin, _probe, _weight
 from adaptivespec.prepack import can_prepack, sgl_ops
 
 
@@ -134,7 +134,12 @@ class FastEagle3:
         k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, b, D]
         v = qkv[:, qs + self.kv_size:].view(b, Hkv, D).transpose(0, 1).unsqueeze(0)
         keys, values, mask = drafter.append_kv(k, v, mask, x.dtype)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+        folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastforward)
+        if folded is not None:
+            attn = F.scaled_dot_product_attention(q.reshape(1, Hkv, (H // Hkv) * b, D), keys, values,
+                                                  attn_mask=folded).view(1, H, b, D)
+        else:
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
         o = self.o(attn[0].transpose(0, 1).reshape(b, qs))
         if self.sgl is not None:
             h = state.clone(memory_format=torch.contiguous_format)  # the residual is the caller's: add into a copy

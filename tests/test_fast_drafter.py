@@ -163,3 +163,22 @@ def test_fused_drafter_never_serves_stale_weights(target16, monkeypatch):
     d.load_state_dict({k: v * 2 for k, v in d.state_dict().items() if k == "lm_head.weight"}, strict=False, assign=True)
     got, ref3 = both()
     assert torch.equal(got, ref3) and not torch.equal(got, ref2)
+
+
+def test_folded_tree_levels_give_the_same_outputs(target16, monkeypatch):
+    """The tree levels' attention with query heads folded into rows (long contexts) changes nothing."""
+    from adaptivespec import fastforward
+
+    monkeypatch.setenv(NO_SGL_ENV, "1")
+    d = head(target16)
+    fast_drafter(d)
+    monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 10**9)
+    ref = trace(d)
+    monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 1)  # fold at this test's 40-position context
+    folds = []
+    fold = fastdrafter._fold_mask
+    monkeypatch.setattr(fastdrafter, "_fold_mask", lambda *a: folds.append(fold(*a)) or folds[-1])
+    got = trace(d)
+    assert [f is not None for f in folds] == [False, True, True, True]  # the levels and the 3-token commit
+    for r, g in zip(ref, got):
+        assert torch.equal(g, r)
