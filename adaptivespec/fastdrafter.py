@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.fastforward import DISABLE_ENV, _bias, _fold_mask, _lin, _probe, _weight
+from adaptivespec.fastforward import DISABLE_ENV, _fold_mask, _probe, attend, pack, rms_norm, rope
 from adaptivespec.prepack import can_prepack, sgl_ops
 
 
@@ -42,13 +42,6 @@ def supported(drafter) -> str | None:
     if getattr(drafter.config, "hidden_act", "silu") != "silu":
         return "activation differs"
     return None
-
-
-def _rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half layout) of ``qk`` [n, heads, D] with cos / sin [n, 1, D]."""
-    half = qk.shape[-1] // 2
-    rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-    return qk * cos + rot * sin
 
 
 class FastEagle3:
@@ -82,13 +75,12 @@ class FastEagle3:
         sgl, layer = self.sgl, drafter.midlayer
         a, m = layer.self_attn, layer.mlp
         dtype = drafter.lm_head.weight.dtype
-        qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-        self.fc = _lin(_weight(drafter.fc), _bias((drafter.fc,), dtype), sgl)
-        self.qkv = _lin(torch.cat([_weight(p) for p in qkv]), _bias(qkv, dtype), sgl)
-        self.o = _lin(_weight(a.o_proj), _bias((a.o_proj,), dtype), sgl)
-        self.gate_up = _lin(torch.cat([_weight(p) for p in gu]), _bias(gu, dtype), sgl)
-        self.down = _lin(_weight(m.down_proj), _bias((m.down_proj,), dtype), sgl)
-        self.lm_head = _lin(_weight(drafter.lm_head), _bias((drafter.lm_head,), dtype), sgl)
+        self.fc = pack((drafter.fc,), dtype, sgl)
+        self.qkv = pack((a.q_proj, a.k_proj, a.v_proj), dtype, sgl)
+        self.o = pack((a.o_proj,), dtype, sgl)
+        self.gate_up = pack((m.gate_proj, m.up_proj), dtype, sgl)
+        self.down = pack((m.down_proj,), dtype, sgl)
+        self.lm_head = pack((drafter.lm_head,), dtype, sgl)
         self.norms = {name: (mod.weight.detach(), mod.variance_epsilon) for name, mod in (
             ("emb", layer.input_layernorm), ("state", layer.hidden_norm), ("post", layer.post_attention_layernorm),
             ("out", drafter.norm))}
@@ -98,11 +90,7 @@ class FastEagle3:
 
     # -- pieces ----------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, which: str) -> torch.Tensor:
-        w, eps = self.norms[which]
-        if self.sgl is not None:
-            return self.sgl.rmsnorm_cpu(x.contiguous(), w, eps)
-        # transformers' LlamaRMSNorm: normalise in float32, round to the model's dtype, then scale
-        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+        return rms_norm(x, *self.norms[which], self.sgl)
 
     def _linear(self, lin, x: torch.Tensor) -> torch.Tensor:
         """``lin`` over the last dimension of ``x`` [..., in] (any leading shape)."""
@@ -129,17 +117,13 @@ class FastEagle3:
         x = torch.cat([self._rms(emb, "emb"), self._rms(state, "state")], dim=-1)  # [b, 2H]
         cos, sin = drafter.rotary(x, positions.unsqueeze(0))  # [1, b, D] each, in x's dtype
         qkv = self.qkv(x)  # [b, qs + 2 ks]
-        qk = _rope(qkv[:, : qs + self.kv_size].view(b, H + Hkv, D), cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+        qk = rope(qkv[:, : qs + self.kv_size].view(b, H + Hkv, D), cos[0].unsqueeze(1), sin[0].unsqueeze(1))
         q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, b, D]
         k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, b, D]
         v = qkv[:, qs + self.kv_size:].view(b, Hkv, D).transpose(0, 1).unsqueeze(0)
         keys, values, mask = drafter.append_kv(k, v, mask, x.dtype)
         folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastforward)
-        if folded is not None:
-            attn = F.scaled_dot_product_attention(q.reshape(1, Hkv, (H // Hkv) * b, D), keys, values,
-                                                  attn_mask=folded).view(1, H, b, D)
-        else:
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+        attn = attend(q, keys, values, mask, folded)
         o = self.o(attn[0].transpose(0, 1).reshape(b, qs))
         if self.sgl is not None:
             h = state.clone(memory_format=torch.contiguous_format)  # the residual is the caller's: add into a copy

@@ -77,22 +77,53 @@ def _fold_mask(mask: torch.Tensor | None, n: int, groups: int, keys: int) -> tor
     stops paying at 32 (``scripts/attention_bench.py``; docs/speed.md)."""
     if mask is None or groups == 1 or n == 1 or groups * n > FOLD_MAX_ROWS or keys < FOLD_MIN_KEYS:
         return None
+    return fold_rows(mask, n, groups, keys)
+
+
+def fold_rows(mask: torch.Tensor, n: int, groups: int, keys: int) -> torch.Tensor:
+    """``mask`` [1, 1, n, >= keys] repeated for ``groups`` query heads folded into rows: [1, 1, groups * n, keys]."""
     return mask[:, :, :, :keys].expand(1, groups, n, keys).reshape(1, 1, groups * n, keys)
 
 
-def _lin(weight, bias, sgl) -> PackedWeight:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           folded: torch.Tensor | None, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Grouped-query attention of ``q`` [1, H, n, D] over ``keys`` / ``values`` [1, Hkv, S, D] -> [1, H, n, D]:
+    with the heads folded into rows where ``folded`` (:func:`_fold_mask`) is given, else SDPA with the
+    KV heads kept grouped and ``mask`` cut to the keys."""
+    _, H, n, D = q.shape
+    Hkv = keys.shape[1]
+    if folded is not None:  # [1, Hkv, groups * n, D]: a KV head's query heads as one block of rows
+        return F.scaled_dot_product_attention(q.reshape(1, Hkv, H // Hkv * n, D), keys, values, attn_mask=folded,
+                                              scale=scale).view(1, H, n, D)
+    m = None if mask is None else mask[:, :, :, : keys.shape[-2]]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=m, is_causal=causal, scale=scale,
+                                          enable_gqa=Hkv != H)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, sgl=None) -> torch.Tensor:
+    """RMSNorm of ``x`` [rows, H]: SGLang's kernel with ``sgl``, else transformers' ``LlamaRMSNorm``
+    (normalise in float32, round to the model's dtype, then scale)."""
+    if sgl is not None:
+        return sgl.rmsnorm_cpu(x.contiguous(), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half layout) of ``qk`` [n, heads, D] with cos / sin [n, 1, D]."""
+    half = qk.shape[-1] // 2
+    rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    return qk * cos + rot * sin
+
+
+def pack(mods, dtype, sgl) -> PackedWeight:
+    """One packed matmul for the linear layers ``mods`` side by side (their weights, and biases where
+    any has one, concatenated along the outputs)."""
+    weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+    bias = None
+    if any(getattr(m, "bias", None) is not None for m in mods):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype)
+                          for m in mods])
     return PackedWeight(weight, bias, sgl)
-
-
-def _weight(mod) -> torch.Tensor:
-    return mod.weight.detach()
-
-
-def _bias(mods, dtype) -> torch.Tensor | None:
-    if all(getattr(m, "bias", None) is None for m in mods):
-        return None
-    return torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype)
-                      for m in mods])
 
 
 class _Layer:
@@ -123,30 +154,18 @@ class FastLlama:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             L = _Layer()
-            qkv = (a.q_proj, a.k_proj, a.v_proj)
-            L.qkv = _lin(torch.cat([_weight(p) for p in qkv]), _bias(qkv, dtype), sgl)
-            L.o = _lin(_weight(a.o_proj), _bias((a.o_proj,), dtype), sgl)
-            gu = (m.gate_proj, m.up_proj)
-            L.gate_up = _lin(torch.cat([_weight(p) for p in gu]), _bias(gu, dtype), sgl)
-            L.down = _lin(_weight(m.down_proj), _bias((m.down_proj,), dtype), sgl)
+            L.qkv = pack((a.q_proj, a.k_proj, a.v_proj), dtype, sgl)
+            L.o = pack((a.o_proj,), dtype, sgl)
+            L.gate_up = pack((m.gate_proj, m.up_proj), dtype, sgl)
+            L.down = pack((m.down_proj,), dtype, sgl)
             L.w_in, L.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
             L.w_post, L.eps_post = (layer.post_attention_layernorm.weight.detach(),
                                     layer.post_attention_layernorm.variance_epsilon)
             self.layers.append(L)
-        self.lm_head = _lin(_weight(model.lm_head), _bias((model.lm_head,), dtype), sgl)
+        self.lm_head = pack((model.lm_head,), dtype, sgl)
 
-    # -- pieces --------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.sgl is not None:
-            return self.sgl.rmsnorm_cpu(x, w, eps)
-        # transformers' LlamaRMSNorm: normalise in float32, round to the model's dtype, then scale
-        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-    def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding (rotate-half layout) of ``qk`` [n, heads, D] with cos/sin [n, 1, D]."""
-        half = qk.shape[-1] // 2
-        rot = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        return qk * cos + rot * sin
+        return rms_norm(x, w, eps, self.sgl)
 
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -178,23 +197,16 @@ class FastLlama:
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         sgl = self.sgl
         layers = cache.layers
-        groups = H // Hkv
-        folded = _fold_mask(mask, n, groups, past + n)  # the same for every layer
+        folded = _fold_mask(mask, n, H // Hkv, past + n)  # the same for every layer
         for i, L in enumerate(self.layers):
             x = self._rms(h, L.w_in, L.eps_in)
             qkv = L.qkv(x)  # [n, qs + 2 ks]
-            qk = self._rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
+            qk = rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
             q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = qkv[:, qs + ks:].view(n, Hkv, D).transpose(0, 1).unsqueeze(0)
             keys, values = layers[i].update(k, v)
-            if folded is not None:  # [1, Hkv, groups * n, D]: a KV head's query heads as one block of rows
-                attn = F.scaled_dot_product_attention(q.reshape(1, Hkv, groups * n, D), keys, values, attn_mask=folded,
-                                                      scale=self.scale).view(1, H, n, D)
-            else:
-                m = None if mask is None else mask[:, :, :, : keys.shape[-2]]
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=m, is_causal=causal, scale=self.scale,
-                                                      enable_gqa=Hkv != H)
+            attn = attend(q, keys, values, mask, folded, causal, self.scale)
             o = L.o(attn[0].transpose(0, 1).reshape(n, qs))
             if sgl is not None:
                 sgl.fused_add_rmsnorm_cpu(o, h, L.w_post, L.eps_post)  # h += o; o = rmsnorm(h)

@@ -43,7 +43,7 @@ def timed(fn, repeat: int) -> float:
 
 def variants(keys: int, rows: int):
     """name -> zero-argument callable computing [1, HEADS, rows, HEAD] (or None where it does not apply)."""
-    from adaptivespec.fastforward import _fold_mask
+    from adaptivespec.fastforward import _fold_mask, fold_rows
 
     g = HEADS // KV_HEADS
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def variants(keys: int, rows: int):
         out["sdpa (one row, no mask)"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         return out
     out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    folded = mask.expand(1, g, rows, keys).reshape(1, 1, g * rows, keys)  # what _fold_mask builds, at any size
+    folded = fold_rows(mask, rows, g, keys)  # what _fold_mask builds, at any size
     out["sdpa-folded" + ("" if _fold_mask(mask, rows, g, keys) is not None else " (not chosen)")] = (
         lambda: F.scaled_dot_product_attention(q.reshape(1, KV_HEADS, g * rows, HEAD), k, v, attn_mask=folded))
 
