@@ -7,6 +7,40 @@ import torch
 
 from shared_prompts import PROMPTS  # noqa: F401 - re-exported for fixtures
 
+MODEL_FIXTURES = frozenset({"smol32", "random_head_dir", "full_vocab_head_dir", "greedy_reference"})
+"""Fixtures that load the embedded target: a test using one (even indirectly) carries ``@pytest.mark.model``."""
+
+
+@pytest.fixture(autouse=True)
+def _model_loads_carry_the_marker(request, monkeypatch):
+    """Fail a test that loads a model without the ``model`` marker, so ``-m "not model"`` stays fast.
+
+    Catches the shared fixtures by name and any in-process load that succeeds (the engine's
+    :func:`load_models`, a transformers ``from_pretrained``); a load that fails on a bad path is left to fail
+    as it would, for the tests of those error messages."""
+    if request.node.get_closest_marker("model") or request.node.get_closest_marker("sglang_server"):
+        yield
+        return
+    used = sorted(MODEL_FIXTURES.intersection(request.fixturenames))
+    if used:
+        pytest.fail(f"{request.node.nodeid} uses {', '.join(used)} (the embedded model) without @pytest.mark.model")
+
+    def loaded_means_failed(load):
+        def guarded(*args, **kwargs):
+            load(*args, **kwargs)  # a load that fails (a bad path: an error-message test) fails as it would
+            raise AssertionError(f"{request.node.nodeid} loads a model without @pytest.mark.model")
+
+        return guarded
+
+    import transformers
+
+    import adaptivespec.decode
+
+    monkeypatch.setattr(adaptivespec.decode, "load_models", loaded_means_failed(adaptivespec.decode.load_models))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        loaded_means_failed(transformers.AutoModelForCausalLM.from_pretrained))
+    yield
+
 
 @pytest.fixture(scope="session")
 def smol32():

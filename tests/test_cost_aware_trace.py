@@ -9,6 +9,8 @@ import pytest
 
 from adaptivespec.analysis import cost_aware_trace
 
+pytestmark = pytest.mark.model  # loads the embedded target
+
 CONFIG = Path(__file__).parents[1] / "configs" / "cost-aware.yaml"
 
 ROWS = [{"question_id": "a", "category": "mix:math", "turns": ["What is 12 times 7? Answer briefly."]},

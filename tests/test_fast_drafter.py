@@ -17,6 +17,8 @@ from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.fastdrafter import fast_drafter
 from adaptivespec.prepack import NO_SGL_ENV, can_prepack, sgl_ops
 
+pytestmark = pytest.mark.model  # loads the embedded target
+
 
 class EmbeddingOnly(nn.Module):
     """What a head needs of its target: the config and the token embedding (here in bfloat16)."""

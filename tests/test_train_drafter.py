@@ -185,6 +185,7 @@ def test_tiny_run_trains_exports_and_decodes_losslessly(tmp_path, smol32, greedy
 
 
 @pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="no shipped head in adaptivespec/heads")
+@pytest.mark.model
 def test_validation_counts_rows_and_hits_per_record(smol32):
     """ttt_loss(by_record=True) on a batch of two records with prompts of different lengths: at every
     draft step each row's labelled positions and top-1 hits are what the same record scores alone (a

@@ -381,17 +381,6 @@ def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def _generate(model, prompts: list[list[int]], eos: int, max_new_tokens: int) -> tuple[list, list]:
-    """The former generation path (``model.generate`` on a padded batch); kept to measure against."""
-    ids, mask, _ = _left_pad(prompts, eos)
-    width = ids.shape[1]
-    gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=eos, eos_token_id=eos)[:, width:]
-    is_eos = gen == eos
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, gen.shape[1])
-    return prompts, [gen[i, : int(first[i])].tolist() for i in range(len(prompts))]
-
-
 # -- batches ---------------------------------------------------------------------------------
 @attrs.frozen
 class Batch:
