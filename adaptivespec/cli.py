@@ -1,4 +1,4 @@
-"""Command line: ``adaptivespec generate | plugins | plot-trace | train-drafter | bench | sweep | serve | calibrate``.
+"""Command line: ``adaptivespec generate | plugins | plot-trace | train-drafter | bench | sweep | serve | calibrate | soak``.
 
 Every user error (config, arguments, paths, plugin names) is one line on stderr and exit code 2.
 """
@@ -23,6 +23,7 @@ EXTRA_COMMANDS = [
     ("adaptivespec.evaluation.cli", "add_sweep_parser"),
     ("adaptivespec.sglang.serve", "add_serve_parser"),
     ("adaptivespec.calibrate", "add_parser"),
+    ("adaptivespec.evaluation.soak_cli", "add_soak_parser"),
 ]
 
 

@@ -1,0 +1,101 @@
+"""``adaptivespec soak``: start a served config on loopback, run :mod:`adaptivespec.evaluation.soak`'s mix
+against it, stop it, write ``soak.json`` and ``soak-rss.png``; exit 0 when every target holds, 1 when
+one does not, 2 for bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from adaptivespec.errors import AdaptiveSpecError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_soak_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("soak", help="a mixed request load (valid, bad, streamed, dropped, json_schema, sampled) against "
+                       "a served config on loopback: 4xx/5xx, hangs, memory, /metrics")
+    p.add_argument("--config", required=True, help="YAML config to serve (adaptivespec serve --config)")
+    p.add_argument("--requests", type=_positive_int, default=1000, help="requests to send (default 1000; one in five is bad)")
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight at once (default 8)")
+    p.add_argument("--max-seconds", type=_positive_float, default=1800.0,
+                   help="stop sending after this many seconds (default 1800); requests not sent count as failures")
+    p.add_argument("--max-tokens", type=_positive_int, default=48, help="max_tokens of the valid requests (default 48)")
+    p.add_argument("--request-timeout", type=_positive_float, default=180.0,
+                   help="seconds without an answer after which a request counts as a hang (default 180)")
+    p.add_argument("--out", default="runs/soak", help="folder for soak.json, soak-rss.png and server.log (default runs/soak)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
+                   help="further sglang.launch_server arguments, after --")
+    p.set_defaults(func=run_soak_command)
+    return p
+
+
+def _inputs() -> tuple[list[str], list[dict]]:
+    """Prompts (Spec-Bench's, every category) and schemas (the structured set's)."""
+    from adaptivespec.evaluation.datasets import load_dataset
+
+    prompts = [p.prompt for p in load_dataset("specbench")]
+    schemas = [p.meta["response_format"]["schema"] for p in load_dataset("structured")]
+    return prompts, schemas
+
+
+def _context_tokens(target: str) -> int:
+    try:
+        cfg = json.loads((Path(target) / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings") or 8192)
+    except (OSError, ValueError):
+        return 8192
+
+
+def run_soak_command(args: argparse.Namespace) -> int:
+    from adaptivespec.evaluation.soak import figure, run_soak
+    from adaptivespec.sglang import serve
+    from adaptivespec.sglang.server import SGLangServer, free_port, served_command
+
+    extra = [a for a in (args.sglang_args or []) if a != "--"]
+    if not Path(args.config).is_file():
+        raise AdaptiveSpecError(f"--config: {args.config}: config file not found")
+    serve.preflight()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv, env = served_command(args.config, port, extra_args=extra)
+    target, _ = serve._model_paths(args.config, None, None)
+    prompts, schemas = _inputs()
+    print(f"soak: serving {args.config} on 127.0.0.1:{port} (log {out / 'server.log'})", flush=True)
+    with SGLangServer(argv, env, out / "server.log", timeout=600) as server:
+        report = run_soak(port, server.proc.pid, config=args.config, requests=args.requests,
+                          concurrency=args.concurrency, max_seconds=args.max_seconds, max_tokens=args.max_tokens,
+                          request_timeout=args.request_timeout, context_tokens=_context_tokens(target),
+                          prompts=prompts, schemas=schemas, progress=not args.quiet)
+    data = report.to_json()
+    (out / "soak.json").write_text(json.dumps(data, indent=1) + "\n")
+    figure(report).savefig(out / "soak-rss.png", dpi=110)
+    growth = "n/a" if data["rss_growth"] is None else f"{data['rss_growth']:+.1%}"
+    print(f"soak: {data['valid_completed']}/{data['valid']} valid completed, {data['bad_4xx_naming_field']}/{data['bad']} bad "
+          f"got a 4xx naming the field, {data['http_5xx']} 5xx, {data['hangs']} hangs, RSS growth {growth}, "
+          f"state bounded: {data['state_bounded']}, answered after: {data['answered_after']} "
+          f"({data['seconds']:.0f} s; {out / 'soak.json'})")
+    for line in data["failures"]:
+        print(f"soak: FAILED: {line}")
+    return 1 if data["failures"] else 0
