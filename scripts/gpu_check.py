@@ -75,7 +75,7 @@ def _import_source_tree() -> None:
 
 _import_source_tree()
 
-from adaptivespec.cuda_graphs import enable_cuda_graphs, tree_room  # noqa: E402
+from adaptivespec.fastpath.cuda_graphs import enable_cuda_graphs, tree_room  # noqa: E402
 from adaptivespec.drafter import Eagle3Drafter  # noqa: E402
 from adaptivespec.policies.dcs import DcsPolicy  # noqa: E402
 from adaptivespec.runtime import TorchRuntime  # noqa: E402

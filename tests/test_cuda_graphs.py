@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adaptivespec.cuda_graphs import (
+from adaptivespec.fastpath.cuda_graphs import (
     CudaGraphsUnsupportedError,
     GraphedTorchRuntime,
     StaticContextError,

@@ -39,7 +39,7 @@ import attrs
 import torch
 
 import adaptivespec
-from adaptivespec.bank import max_beam, max_expanded
+from adaptivespec.fastpath.bank import max_beam, max_expanded
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.runtime import TorchRuntime
 from adaptivespec.types import DraftTree, TreeShape
@@ -74,7 +74,7 @@ def cuda_graphs_unsupported_reason(runtime: Any, capture: bool = True) -> str | 
         return f"{type(d).__name__} overrides Eagle3Drafter.step; the static draft step reproduces Eagle3Drafter.step only"
     cfg = runtime.target.config
     attn = getattr(cfg, "_attn_implementation", None)
-    if attn not in ("sdpa", "eager", "adaptivespec_sdpa"):  # (the last: sdpa with grouped KV heads, adaptivespec.attention)
+    if attn not in ("sdpa", "eager", "adaptivespec_sdpa"):  # (the last: sdpa with grouped KV heads, adaptivespec.fastpath.attention)
         return f"target attention {attn!r} does not take an additive float tree mask; load it with attn_implementation='sdpa'"
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in ("dynamic", "longrope"):
