@@ -57,7 +57,7 @@ class Proposer:
     """Candidate sources, the head's draft, their fusion and the per-proposer accounting.
 
     ``policy`` is the tree policy: its level rules shape the head's tree and its optional fusion
-    rules (:class:`~adaptivespec.fusion.FusionRules`) rank and size the fused one. The runtime's
+    rules (:class:`~adaptivespec.fusion_rules.FusionRules`) rank and size the fused one. The runtime's
     drafter is read at every call (a runtime may swap it for a proxy, as CUDA graphs do).
     """
 

@@ -238,7 +238,7 @@ def test_static_path_samples_like_eager(tiny, one_thread):
 def cost_aware_factory(tmp_path, per_verified_token: float):
     """``make()`` -> a fresh cost_aware policy (buckets 3/5/9, depth 4, topk 3) with a hand-set cost
     model (``per_verified_token`` ms per verified token) and a depth-independent prior."""
-    from adaptivespec.config import structure
+    from adaptivespec.params import structure
     from adaptivespec.costmodel import CostModel, save_prior
     from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy
 
