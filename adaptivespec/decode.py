@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from adaptivespec.config import Config, check_sampling
+from adaptivespec.constraints import GrammarBackend  # xgrammar itself: only when a grammar is compiled
 from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
@@ -131,8 +132,6 @@ class Engine:
         fmt = response_format if response_format is not None else self.config.generation.response_format
         if fmt is None:
             return None
-        from adaptivespec.constraints import GrammarBackend  # imports xgrammar: only for structured output
-
         return GrammarBackend.for_tokenizer(self.tokenizer, self.target.config.vocab_size).constraint(fmt)
 
     def generate_ids(

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import attrs
 
 from adaptivespec.fusion import FusedTree, fuse
+from adaptivespec.protocols import Runtime
 from adaptivespec.strategies import CandidateSource
 from adaptivespec.types import CandidateTrie, DraftTree, StepSignals, TreeShape, VerifyResult
 
@@ -61,7 +62,7 @@ class Proposer:
     drafter is read at every call (a runtime may swap it for a proxy, as CUDA graphs do).
     """
 
-    def __init__(self, runtime: Any, policy: Any, sources: Sequence[CandidateSource]) -> None:
+    def __init__(self, runtime: Runtime, policy: Any, sources: Sequence[CandidateSource]) -> None:
         self.runtime, self.policy, self.sources = runtime, policy, list(sources)
         self.names = [HEAD_NAME, *(s.name for s in self.sources)]
         """Proposer of each origin bit of a fused node: bit 0 the head, bit ``k + 1`` source ``k``."""

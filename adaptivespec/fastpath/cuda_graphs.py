@@ -39,8 +39,9 @@ import attrs
 import torch
 
 import adaptivespec
-from adaptivespec.fastpath.bank import max_beam, max_expanded
+from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.fastpath.bank import max_beam, max_expanded
 from adaptivespec.runtime import TorchRuntime
 from adaptivespec.types import DraftTree, TreeShape
 
@@ -58,8 +59,6 @@ class StaticContextError(AdaptiveSpecError):
 def cuda_graphs_unsupported_reason(runtime: Any, capture: bool = True) -> str | None:
     """Why :func:`enable_cuda_graphs` cannot be applied to ``runtime``, as a sentence; None if it can."""
     from transformers.cache_utils import StaticLayer
-
-    from adaptivespec.drafter import Eagle3Drafter
 
     d = getattr(runtime, "drafter", None)
     if d is None:
