@@ -90,7 +90,7 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise AdaptiveSpecError(f'--prompts: {path}:{n}: "seed": expected a non-negative integer, got {seed!r}')
         if item.get("response_format") is not None:
-            from adaptivespec.config import parse_response_format
+            from adaptivespec.response_format import parse_response_format
 
             item["response_format"] = parse_response_format(item["response_format"], f"--prompts: {path}:{n}")
         prompts.append(item)

@@ -12,9 +12,6 @@ default: none), whose proposals are verified beside the drafter's tree, or alone
 
 from __future__ import annotations
 
-import json
-import types
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,153 +19,9 @@ import attrs
 import yaml
 
 from adaptivespec.errors import ConfigError, UnknownStrategyError
-
-
-# -- validators whose messages say what was expected ----------------------------------------
-def positive_int(inst: Any, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {value!r}")
-
-
-def optional_positive_int(inst: Any, attribute: attrs.Attribute, value: int | None) -> None:
-    """Validator: a positive integer, or None (YAML null)."""
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"expected a positive integer or null, got {value!r}")
-    positive_int(inst, attribute, value)
-
-
-def int_at_least(lo: int):
-    """Validator: an integer (not a bool) ``>= lo``."""
-
-    def check(inst: Any, attribute: attrs.Attribute, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-            raise ValueError(f"expected an integer >= {lo}, got {value!r}")
-
-    return check
-
-
-def as_tuple(value: Any) -> Any:
-    """Converter: a YAML list becomes a tuple (frozen params stay hashable)."""
-    return tuple(value) if isinstance(value, list) else value
-
-
-def number_in(lo: float | None, hi: float | None, *, lo_open: bool = False, hi_open: bool = False):
-    """Validator: ``lo <(=) value <(=) hi``; its message writes the interval."""
-    text = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"
-
-    def check(inst: Any, attribute: attrs.Attribute, value: float | None) -> None:
-        if value is None:
-            return
-        bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
-            hi is not None and (value > hi or (hi_open and value == hi))
-        )
-        if bad:
-            raise ValueError(f"expected a number in {text}, got {value!r}")
-
-    return check
-
-
-def one_of(*choices: str):
-    def check(inst: Any, attribute: attrs.Attribute, value: str) -> None:
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
-
-    return check
-
-
-# -- structured output ---------------------------------------------------------------------------
-RESPONSE_FORMAT_TYPES = ("json_schema", "json_object", "regex", "ebnf")
-
-
-def _load_schema(value: Any) -> Any:
-    """A schema given as a mapping stays one; a string is a JSON file path, else inline JSON."""
-    if isinstance(value, dict) or isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        p = Path(value).expanduser()
-        text = value
-        if not value.lstrip().startswith("{"):
-            if not p.is_file():
-                raise ValueError(f"schema: expected a JSON schema mapping or a .json file, got {value!r} (no such file)")
-            text = p.read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"schema: {value!r} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        if not isinstance(data, (dict, bool)):
-            raise ValueError(f"schema: expected a JSON object, got {type(data).__name__} from {value!r}")
-        return data
-    raise ValueError(f"schema: expected a JSON schema mapping or a .json file, got {value!r}")
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class ResponseFormat:
-    """``generation.response_format``: what the output must match.
-
-    ``{type: json_schema, schema: {...} | FILE.json}``, ``{type: json_object}`` (any JSON
-    object), ``{type: regex, pattern: ...}``, ``{type: ebnf, grammar: ...}`` (GBNF, root rule
-    ``root``). JSON output is written compactly on one line (``", "`` and ``": "``
-    separators, no other whitespace) unless ``whitespace: any``; compact JSON is what makes
-    keys and punctuation forced (the ``grammar`` source drafts them for free).
-    """
-
-    type: str = attrs.field(validator=one_of(*RESPONSE_FORMAT_TYPES))
-    """``json_schema``, ``json_object``, ``regex`` or ``ebnf``."""
-    schema: Any = None
-    """``json_schema``: the schema, as a mapping, a JSON string or the path of a JSON file."""
-    pattern: str | None = None
-    """``regex``: the regular expression the whole output matches."""
-    grammar: str | None = None
-    """``ebnf``: the grammar (xgrammar's GBNF; the start rule is ``root``)."""
-    whitespace: str = attrs.field(default="compact", validator=one_of("compact", "any"))
-    """JSON types: ``compact`` (one line, ``", "`` / ``": "``) or ``any`` (any whitespace
-    between tokens, xgrammar's default)."""
-
-    def __attrs_post_init__(self) -> None:
-        need = {"json_schema": "schema", "regex": "pattern", "ebnf": "grammar"}.get(self.type)
-        for key in ("schema", "pattern", "grammar"):
-            value = getattr(self, key)
-            if key == need and value is None:
-                raise ValueError(f"{key}: expected a value for type {self.type}, got nothing")
-            if key != need and value is not None:
-                raise ValueError(f"{key}: not used by type {self.type} (it takes {need or 'no other key'})")
-        if self.schema is not None:
-            object.__setattr__(self, "schema", _load_schema(self.schema))
-        for key in ("pattern", "grammar"):
-            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
-                raise ValueError(f"{key}: expected a string, got {getattr(self, key)!r}")
-        from adaptivespec.constraints import check_compiles  # the grammar engine, only when a format is set
-
-        check_compiles(self)
-
-    # -- identity ---------------------------------------------------------------------------
-    def key(self) -> tuple:
-        schema = json.dumps(self.schema, sort_keys=True) if self.schema is not None else None
-        return (self.type, schema, self.pattern, self.grammar, self.whitespace)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ResponseFormat) and self.key() == other.key()
-
-    def __hash__(self) -> int:
-        return hash(self.key())
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type}
-        for key in ("schema", "pattern", "grammar"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.whitespace != "compact":
-            out["whitespace"] = self.whitespace
-        return out
-
-
-def parse_response_format(value: Any, where: str, key: str = "response_format") -> ResponseFormat | None:
-    """A response format from a raw mapping (a ``--prompts`` record, a CLI flag); errors name ``key``."""
-    if value is None:
-        return None
-    return structure(ResponseFormat, value, where, key)
+from adaptivespec.params import number_in, one_of, positive_int, structure
+from adaptivespec.plugins import get_plugin_host
+from adaptivespec.response_format import ResponseFormat
 
 
 # -- the schema ------------------------------------------------------------------------------
@@ -231,7 +84,7 @@ class GenerationConfig:
     response_format: ResponseFormat | None = None
     """Structured output (null: free text): ``{type: json_schema, schema: {...} | FILE}``,
     ``{type: json_object}``, ``{type: regex, pattern: ...}`` or ``{type: ebnf, grammar: ...}``
-    (see :class:`adaptivespec.config.ResponseFormat`). Every path is constrained: the
+    (see :class:`adaptivespec.response_format.ResponseFormat`). Every path is constrained: the
     target's logits are masked by the grammar before the verifier's rule or the AR pick."""
     grammar_draft: bool = True
     """With a response format, a speculative config (a drafter or a source) that lists no
@@ -270,93 +123,6 @@ class Config:
 TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation", "sources")
 SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "generation": GenerationConfig}
 DEFAULT_STRATEGY = {"policy": "static", "verifier": "strict"}
-
-
-# -- strict structuring ------------------------------------------------------------------------
-_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _describe(tp: Any) -> str:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    if typing.get_origin(tp) in (tuple, list):
-        return f"a list of {_describe(args[0])}s" if args else "a list"
-    if attrs.has(tp):
-        return "a mapping"
-    return _TYPE_WORDS.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _convert(tp: Any, value: Any, where: str, key: str) -> Any:
-    """``value`` as type ``tp`` (no lenient coercion: "3" is not an int, true is not 1)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner_error = None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(a, value, where, key)
-            except ConfigError as exc:
-                if attrs.has(a) and isinstance(value, dict):  # the mapping's own error says more
-                    inner_error = exc
-        if inner_error is not None:
-            raise inner_error
-    elif origin in (tuple, list) and isinstance(value, (list, tuple)):
-        inner = args[0] if args else Any
-        items = [_convert(inner, v, where, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    elif tp is bool and isinstance(value, bool):
-        return value
-    elif tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return value  # ints stay as written so messages echo the user's value
-    elif tp is str and isinstance(value, str):
-        return value
-    elif attrs.has(tp) and isinstance(value, dict):
-        return structure(tp, value, where, key)
-    raise ConfigError(where, key, f"expected {_describe(tp)}, got {value!r}")
-
-
-def structure(cls: type, data: Any, where: str, path: str) -> Any:
-    """Build attrs class ``cls`` from a mapping, rejecting unknown keys and wrong types."""
-    fields = {f.name: f for f in attrs.fields(attrs.resolve_types(cls))}
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(where, path, f"expected a mapping, got {data!r}")
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(where, key, f"unknown key; expected one of: {', '.join(fields) or '(no keys)'}")
-    kwargs = {name: _convert(fields[name].type, value, where, f"{path}.{name}" if path else name) for name, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as exc:
-        # attrs validators name the attribute in their own message; find which key it was
-        bad = next((n for n in kwargs if f"'{n}'" in str(exc) or str(exc).startswith(n)), None)
-        failing = _failing_key(cls, kwargs) or bad
-        key = f"{path}.{failing}" if failing and path else (failing or path)
-        message = str(exc)
-        if failing and message.startswith(f"{failing}: "):  # the key is already in front
-            message = message[len(failing) + 2:]
-        raise ConfigError(where, key, message) from None
-
-
-def _failing_key(cls: type, kwargs: dict[str, Any]) -> str | None:
-    """Re-run field validators one by one to find which key a failure belongs to."""
-    for f in attrs.fields(cls):
-        if f.name in kwargs and f.validator is not None:
-            try:
-                f.validator(None, f, kwargs[f.name])
-            except (ValueError, TypeError):
-                return f.name
-    return None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -412,8 +178,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Config:
     """Validate a raw mapping (already merged with overrides) into a :class:`Config`."""
     if host is None:
-        from adaptivespec.plugins import get_plugin_host
-
         host = get_plugin_host()
     unknown = sorted(set(data) - set(TOP_LEVEL))
     if unknown:
@@ -443,10 +207,24 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
             raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
     config = Config(**sections, **strategies, source=where, sources=build_sources(data.get("sources"), where, host))
-    from adaptivespec.sampling import check_sampling
-
     check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
     return config
+
+
+def check_sampling(config: Config, host=None) -> None:
+    """Refuse temperature > 0 with a speculative verifier that has no sampling form (exit 2): a
+    verifier class declares one with ``supports_sampling = True``."""
+    if config.generation.temperature == 0 or config.autoregressive:
+        return
+    if host is None:
+        host = get_plugin_host()
+    cls = host.verifiers.get(config.verifier.name).cls
+    if not getattr(cls, "supports_sampling", False):
+        raise ConfigError(
+            config.source, "generation.temperature",
+            f"verifier {config.verifier.name!r} has no sampling form, got temperature {config.generation.temperature!r}; "
+            "expected temperature 0 with it, or a verifier that samples (strict, margin)",
+        )
 
 
 def build_sources(raw: Any, where: str, host) -> tuple[StrategyConfig, ...]:

@@ -27,59 +27,15 @@ plain decoding (token for token with ``strict`` at temperature 0, in distributio
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
 import torch
 
-from adaptivespec.config import ResponseFormat
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.response_format import ResponseFormat, ResponseFormatError, grammar_of, import_xgrammar
 
 __all__ = ["Constraint", "GrammarBackend", "ResponseFormat", "ResponseFormatError"]
-
-
-class ResponseFormatError(AdaptiveSpecError, ValueError):
-    """A response format the grammar engine cannot compile (or xgrammar missing)."""
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ResponseFormatError(
-            "generation.response_format: needs the grammar engine xgrammar; install it with "
-            "`pip install -e .[structured]` (or `pip install xgrammar`)") from None
-    return xgrammar
-
-
-def grammar_of(fmt: ResponseFormat):
-    """The tokenizer-independent ``xgrammar.Grammar`` of ``fmt`` (raises what xgrammar raises)."""
-    xgr = _xgrammar()
-    json_kwargs = ({"any_whitespace": True} if fmt.whitespace == "any"
-                   else {"any_whitespace": False, "separators": (", ", ": ")})
-    if fmt.type == "json_schema":
-        return xgr.Grammar.from_json_schema(json.dumps(fmt.schema), **json_kwargs)
-    if fmt.type == "json_object":
-        return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), strict_mode=False, **json_kwargs)
-    if fmt.type == "regex":
-        return xgr.Grammar.from_regex(fmt.pattern)
-    return xgr.Grammar.from_ebnf(fmt.grammar)
-
-
-def check_compiles(fmt: ResponseFormat) -> None:
-    """Raise ``ValueError("<key>: the grammar engine cannot compile it: <first line>")`` when
-    xgrammar refuses ``fmt`` (``<key>``: schema, pattern or grammar), ResponseFormatError when
-    xgrammar is missing."""
-    try:
-        grammar_of(fmt)
-    except ResponseFormatError:
-        raise
-    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with a long message
-        what = {"json_schema": "schema", "regex": "pattern", "ebnf": "grammar"}.get(fmt.type, "type")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        first = re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", first)  # xgrammar's "[time] file.cc:line: "
-        raise ValueError(f"{what}: the grammar engine cannot compile it: {first}") from None
 
 
 class GrammarBackend:
@@ -97,7 +53,7 @@ class GrammarBackend:
         return cls._shared[key]
 
     def __init__(self, tokenizer, vocab_size: int | None = None) -> None:
-        xgr = _xgrammar()
+        xgr = import_xgrammar()
         self.xgr = xgr
         self.tokenizer = tokenizer
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)

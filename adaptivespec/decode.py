@@ -21,10 +21,12 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from adaptivespec.config import Config
+from adaptivespec.config import Config, check_sampling
+from adaptivespec.constraints import GrammarBackend  # xgrammar itself: only when a grammar is compiled
 from adaptivespec.models import DTYPES, encode_prompt, load_target
+from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
-from adaptivespec.sampling import Sampler, check_sampling
+from adaptivespec.sampling import Sampler
 from adaptivespec.types import StepRecord
 
 _MODELS: dict[tuple, Any] = {}
@@ -70,8 +72,6 @@ class Engine:
         response_format=...)``) even where the config sets none, so the sources that draft from
         the grammar are set up as if it did."""
         if host is None:
-            from adaptivespec.plugins import get_plugin_host
-
             host = get_plugin_host()
         self.config, self.host = config, host
         if config.runtime.threads:
@@ -132,8 +132,6 @@ class Engine:
         fmt = response_format if response_format is not None else self.config.generation.response_format
         if fmt is None:
             return None
-        from adaptivespec.constraints import GrammarBackend  # imports xgrammar: only for structured output
-
         return GrammarBackend.for_tokenizer(self.tokenizer, self.target.config.vocab_size).constraint(fmt)
 
     def generate_ids(
@@ -150,7 +148,7 @@ class Engine:
 
         Greedy at ``generation.temperature`` 0; otherwise sampled, the generator reseeded with
         ``seed`` (default ``generation.seed``) so that a seed always gives the same output.
-        ``response_format`` (a :class:`~adaptivespec.config.ResponseFormat`; default the
+        ``response_format`` (a :class:`~adaptivespec.response_format.ResponseFormat`; default the
         config's ``generation.response_format``) constrains the output."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
         if self.sampler is not None:

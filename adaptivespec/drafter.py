@@ -115,7 +115,7 @@ class Eagle3Drafter(nn.Module):
         self._k = self._v = None
         self.length = 0
         self.fast = None
-        """The fused inference path (:func:`adaptivespec.fastdrafter.fast_drafter` enables it), or None."""
+        """The fused inference path (:func:`adaptivespec.fastpath.drafter.fast_drafter` enables it), or None."""
 
     # -- construction / checkpoints ---------------------------------------------------------
     @staticmethod
@@ -230,7 +230,7 @@ class Eagle3Drafter(nn.Module):
 
     # -- inference --------------------------------------------------------------------------
     def _fused(self):
-        """The fused inference path (:mod:`adaptivespec.fastdrafter`) for this call, or None: only where
+        """The fused inference path (:mod:`adaptivespec.fastpath.drafter`) for this call, or None: only where
         the runtime enabled it, no gradient is wanted and the head is in eval mode; packed from the
         current weights."""
         if self.fast is None or self.training or torch.is_grad_enabled():

@@ -10,11 +10,12 @@ capped by its parent's, so the kept set is closed under ancestors (ties: earlier
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import attrs
 import torch
 
+from adaptivespec.fusion_rules import FusionRanking
 from adaptivespec.types import CandidateTrie, DraftTree, TreeShape
 
 HEAD = 1
@@ -40,44 +41,6 @@ class FusedTree:
                 if self.origin[i] >> b & 1:
                     out[n] += 1
         return out
-
-
-@attrs.frozen(kw_only=True)
-class FusionRanking:
-    """The fused candidates, best first, as a policy's :meth:`fusion_size` sees them.
-
-    The fused tree verifies the first ``k`` beside the root, in increasing ``index`` order (parents
-    before children; the head's nodes first, in the head's order)."""
-
-    scores: list[float]
-    """Each candidate's score, capped by its parent's (non-increasing along the ranking)."""
-    index: list[int]
-    """Candidate ids, topological (a parent's id is smaller than its children's)."""
-    first_level: list[bool]
-    """Whether the candidate is a child of the root."""
-    head_index: list[int]
-    """The candidate's node in the head's tree, or -1 (proposed by candidate sources only)."""
-    budget: int
-    """Most nodes the fused tree may have, the root included."""
-
-
-class FusionRules:
-    """The tree policy's say in fusion (defaults: fusion's own ranking and budget).
-
-    :class:`~adaptivespec.strategies.TreePolicy` inherits these defaults; a policy overrides them
-    to rank the head's nodes on its own scale and to size the fused tree (``cost_aware`` does).
-    :func:`fuse` also takes any object with some of these methods (a missing one: the default)."""
-
-    def fusion_scores(self, head: DraftTree) -> Any:
-        """Scores of the head tree's nodes when it is fused with candidate tries, on their scale
-        (estimated acceptance of each node's path; one per node, the root's ignored); None: the
-        head's own path probability ``exp(draft_logp)``."""
-        return None
-
-    def fusion_size(self, ranking: FusionRanking) -> int:
-        """How many of the fused candidates (a :class:`FusionRanking`, best first) are verified
-        beside the root; at most ``ranking.budget - 1`` (the default)."""
-        return ranking.budget - 1
 
 
 def tree_tensors(tokens: list[int], parents: list[int], logp: list[float], shape: TreeShape, device=None) -> DraftTree:
@@ -120,7 +83,7 @@ def fuse(
     (the shape-bank executor whose buffers verify it). The result's ``draft_logp`` is the log of
     each node's score.
 
-    ``rules`` (optional, the tree policy; see :class:`FusionRules`): ``rules.fusion_scores(head)``
+    ``rules`` (optional, the tree policy; see :class:`~adaptivespec.fusion_rules.FusionRules`): ``rules.fusion_scores(head)``
     gives the head's scores when ``head_scores`` is None, ``rules.fusion_size(ranking)`` how many
     ranked candidates are kept (at most ``budget - 1``), and a tree of at most ``shape.ndt`` nodes is recorded with
     ``rules.verify_shape(shape, n)`` (the bank's bucket for it). Each is skipped when absent.

@@ -38,7 +38,7 @@ BUILTIN_PLUGINS = {
     "margin": "adaptivespec.verifiers.margin",
     "eagle3": "adaptivespec.drafter",
     "torch": "adaptivespec.runtime",
-    "torch-cuda-graphs": "adaptivespec.cuda_graphs",
+    "torch-cuda-graphs": "adaptivespec.fastpath.cuda_graphs",
     "retrieval": "adaptivespec.sources.retrieval",
     "grammar": "adaptivespec.sources.grammar",
 }

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import attrs
 
 from adaptivespec.fusion import FusedTree, fuse
+from adaptivespec.protocols import Runtime
 from adaptivespec.strategies import CandidateSource
 from adaptivespec.types import CandidateTrie, DraftTree, StepSignals, TreeShape, VerifyResult
 
@@ -57,11 +58,11 @@ class Proposer:
     """Candidate sources, the head's draft, their fusion and the per-proposer accounting.
 
     ``policy`` is the tree policy: its level rules shape the head's tree and its optional fusion
-    rules (:class:`~adaptivespec.fusion.FusionRules`) rank and size the fused one. The runtime's
+    rules (:class:`~adaptivespec.fusion_rules.FusionRules`) rank and size the fused one. The runtime's
     drafter is read at every call (a runtime may swap it for a proxy, as CUDA graphs do).
     """
 
-    def __init__(self, runtime: Any, policy: Any, sources: Sequence[CandidateSource]) -> None:
+    def __init__(self, runtime: Runtime, policy: Any, sources: Sequence[CandidateSource]) -> None:
         self.runtime, self.policy, self.sources = runtime, policy, list(sources)
         self.names = [HEAD_NAME, *(s.name for s in self.sources)]
         """Proposer of each origin bit of a fused node: bit 0 the head, bit ``k + 1`` source ``k``."""

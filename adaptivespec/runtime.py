@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 
 import adaptivespec
-from adaptivespec.attention import use_tree_sdpa
-from adaptivespec.bank import ShapeBank
-from adaptivespec.fastdrafter import fast_drafter
-from adaptivespec.fastforward import fast_forward
-from adaptivespec.kvcache import buffered_cache
-from adaptivespec.prepack import prepack_linears
+from adaptivespec.fastpath.attention import use_tree_sdpa
+from adaptivespec.fastpath.bank import ShapeBank
+from adaptivespec.fastpath.drafter import fast_drafter
+from adaptivespec.fastpath.forward import fast_forward
+from adaptivespec.fastpath.kvcache import buffered_cache
+from adaptivespec.fastpath.prepack import prepack_linears
 from adaptivespec.sampling import pick_next
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult

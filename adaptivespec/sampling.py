@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from adaptivespec.errors import ConfigError
 from adaptivespec.types import DraftTree
 
 _TINY = 1e-30
@@ -164,21 +163,3 @@ def residual_draw(tree: DraftTree, probs: torch.Tensor, last: torch.Tensor, samp
     res = row * (1 - kill)
     res = torch.where(res.sum() > 0, res, row)  # rounding left no mass: the children's row itself
     return sampler.draw(res)
-
-
-# -- refusals -------------------------------------------------------------------------------------------
-def check_sampling(config, host=None) -> None:
-    """Refuse temperature > 0 with a speculative verifier that has no sampling form (exit 2)."""
-    if config.generation.temperature == 0 or config.autoregressive:
-        return
-    if host is None:
-        from adaptivespec.plugins import get_plugin_host
-
-        host = get_plugin_host()
-    cls = host.verifiers.get(config.verifier.name).cls
-    if not getattr(cls, "supports_sampling", False):
-        raise ConfigError(
-            config.source, "generation.temperature",
-            f"verifier {config.verifier.name!r} has no sampling form, got temperature {config.generation.temperature!r}; "
-            "expected temperature 0 with it, or a verifier that samples (strict, margin)",
-        )

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from adaptivespec.fusion import FusionRules
+from adaptivespec.fusion_rules import FusionRules
 from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
 
 
@@ -27,7 +27,7 @@ class TreePolicy(FusionRules):
     Subclasses implement :meth:`shapes` and :meth:`next_shape`; they may override :meth:`observe`
     (called after every step with its record), :meth:`reset` (new prompt) and the two tree rules
     :meth:`select_level` / :meth:`select_final`, whose defaults are EAGLE-2/3's beam drafting.
-    With candidate sources, the fusion rules (:class:`~adaptivespec.fusion.FusionRules`:
+    With candidate sources, the fusion rules (:class:`~adaptivespec.fusion_rules.FusionRules`:
     ``fusion_scores``, ``fusion_size``) rank and size the fused tree.
     """
 
@@ -100,7 +100,7 @@ class Verifier:
     Params: ClassVar[type] = NoParams
     supports_sampling: ClassVar[bool] = False
     """Whether :meth:`verify` has a sampling form (``generation.temperature > 0``). Without one,
-    a speculative config at temperature > 0 is refused (:func:`adaptivespec.sampling.check_sampling`)."""
+    a speculative config at temperature > 0 is refused (:func:`adaptivespec.config.check_sampling`)."""
     sampler: Any = None
     """At temperature > 0 the engine sets its :class:`~adaptivespec.sampling.Sampler` here before
     decoding; None means greedy. A verifier with a sampling form reads it in :meth:`verify`."""

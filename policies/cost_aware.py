@@ -58,7 +58,9 @@ import numpy as np
 import torch
 
 import adaptivespec
-from adaptivespec.config import as_tuple, int_at_least, number_in
+from adaptivespec.api import (
+    DraftTree, StepRecord, StepSignals, TreePolicy, TreeShape, VerifyResult, as_tuple, int_at_least, number_in,
+)
 from adaptivespec.costmodel import (
     DEFAULT_COST_PROFILE,
     DEFAULT_PRIOR,
@@ -67,8 +69,6 @@ from adaptivespec.costmodel import (
     rank_by_value,
     resolve_profile,
 )
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult
 
 
 LOOKAHEAD = 2

@@ -15,9 +15,7 @@ from typing import Any
 import attrs
 
 import adaptivespec
-from adaptivespec.config import as_tuple, int_at_least, number_in, one_of
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import StepRecord, StepSignals, TreeShape
+from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, as_tuple, int_at_least, number_in, one_of
 
 START_LEVEL = {"wide": 0.0, "middle": 0.5, "deep": 1.0}
 """DCS value of each start choice: the start shape is the one this score selects."""

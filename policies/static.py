@@ -5,9 +5,7 @@ from __future__ import annotations
 import attrs
 
 import adaptivespec
-from adaptivespec.config import positive_int
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import StepSignals, TreeShape
+from adaptivespec.api import StepSignals, TreePolicy, TreeShape, positive_int
 
 
 @attrs.frozen(kw_only=True)

@@ -8,7 +8,7 @@ rows) with each way this project can compute it:
 * ``sdpa``: ``scaled_dot_product_attention(enable_gqa=True)`` with the mask (what the fused
   forward ran before the fold);
 * ``sdpa-folded``: the three query heads of a KV head folded into one block of rows
-  (``adaptivespec.fastforward._fold_mask``; the fused forward's choice where it pays);
+  (``adaptivespec.fastpath.forward._fold_mask``; the fused forward's choice where it pays);
 * ``sgl-extend``: SGLang's CPU ``extend_attention_cpu`` with its tree mask (only where
   ``sgl_kernel`` imports), which reads the prefix and the new rows separately;
 * ``bmm``: scores by batched matmul with the heads folded, softmax in float32.
@@ -43,7 +43,7 @@ def timed(fn, repeat: int) -> float:
 
 def variants(keys: int, rows: int):
     """name -> zero-argument callable computing [1, HEADS, rows, HEAD] (or None where it does not apply)."""
-    from adaptivespec.fastforward import _fold_mask, fold_rows
+    from adaptivespec.fastpath.forward import _fold_mask, fold_rows
 
     g = HEADS // KV_HEADS
     torch.manual_seed(0)

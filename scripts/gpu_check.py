@@ -75,13 +75,11 @@ def _import_source_tree() -> None:
 
 _import_source_tree()
 
-from adaptivespec.cuda_graphs import enable_cuda_graphs, tree_room  # noqa: E402
+from adaptivespec.fastpath.cuda_graphs import enable_cuda_graphs, tree_room  # noqa: E402
+from adaptivespec.fastpath.forced_path import ForcedPath  # noqa: E402
 from adaptivespec.drafter import Eagle3Drafter  # noqa: E402
 from adaptivespec.policies.dcs import DcsPolicy  # noqa: E402
 from adaptivespec.runtime import TorchRuntime  # noqa: E402
-from adaptivespec.strategies import Verifier  # noqa: E402
-from adaptivespec.tree import path_to  # noqa: E402
-from adaptivespec.types import VerifyResult  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -140,26 +138,6 @@ def embedded_models(dtype_name: str, device: torch.device):
 
 
 # -- runs -----------------------------------------------------------------------------------------
-
-
-class ForcedPath(Verifier):
-    """Accepts a path fixed by the tree's structure (the last node's, then a middle node's, in
-    turn) and the target's choice after it. Random weights would accept nothing under the strict
-    rule; this keeps accepted paths long and off the first branch, so cache compaction is compared
-    too, whatever the weights."""
-
-    name = "forced-path"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def verify(self, tree, logits) -> VerifyResult:
-        self.calls += 1
-        node = tree.size - 1 if self.calls % 2 else tree.size // 2
-        path = path_to(tree, torch.tensor(node, device=tree.tokens.device))
-        tokens = tree.tokens[path[1:]].tolist() + [int(logits[node].argmax())]
-        return VerifyResult(path=path.tolist(), tokens=tokens)
 
 
 def sync(device: torch.device) -> None:

@@ -26,9 +26,7 @@ from __future__ import annotations
 import attrs
 
 import adaptivespec
-from adaptivespec.config import int_at_least, number_in, one_of, optional_positive_int
-from adaptivespec.strategies import CandidateSource
-from adaptivespec.types import CandidateTrie
+from adaptivespec.api import CandidateSource, CandidateTrie, int_at_least, number_in, one_of, optional_positive_int
 
 
 @attrs.frozen(kw_only=True)

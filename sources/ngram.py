@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterable, Sequence
 
-from adaptivespec.types import CandidateTrie
+from adaptivespec.api import CandidateTrie
 
 
 def build_trie(continuations: Iterable[tuple[Sequence[int], int]], max_nodes: int) -> CandidateTrie:

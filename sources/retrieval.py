@@ -20,10 +20,10 @@ from __future__ import annotations
 import attrs
 
 import adaptivespec
-from adaptivespec.config import int_at_least, number_in, optional_positive_int, positive_int
+from adaptivespec.api import (
+    CandidateSource, CandidateTrie, int_at_least, number_in, optional_positive_int, positive_int,
+)
 from adaptivespec.sources.ngram import NGramIndex, OutputCache, build_trie
-from adaptivespec.strategies import CandidateSource
-from adaptivespec.types import CandidateTrie
 
 BUCKETS = 32
 """Effective match lengths tracked separately (longer ones share the last bucket)."""

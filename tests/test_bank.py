@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaptivespec.bank import ShapeBank, max_beam, max_expanded
+from adaptivespec.fastpath.bank import ShapeBank, max_beam, max_expanded
 from adaptivespec.errors import ShapeNotInBankError
 from adaptivespec.policies.dcs import DcsParams, DcsPolicy
 from adaptivespec.types import StepRecord, StepSignals, TreeShape

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from adaptivespec.config import structure
+from adaptivespec.params import structure
 from adaptivespec.costmodel import LOGP_EDGES, CalibrationMap, CostModel, rank_by_value, save_prior
 from adaptivespec.errors import AdaptiveSpecError, ConfigError
 from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from adaptivespec.fastpath.forced_path import ForcedPath
 from adaptivespec.fusion import HEAD, fuse
 from adaptivespec.policies.static import StaticParams, StaticPolicy
 from adaptivespec.strategies import TreePolicy
@@ -24,7 +25,7 @@ from adaptivespec.types import TreeShape, VerifyResult
 
 from test_cost_aware import make_policy, true_table
 from test_fusion import paths_of, trie
-from test_cuda_graphs import ForcedPath, cost_aware_factory, one_thread, runtime, tiny  # noqa: F401  (fixtures)
+from test_cuda_graphs import cost_aware_factory, one_thread, runtime, tiny  # noqa: F401  (fixtures)
 
 ROOT = 100
 

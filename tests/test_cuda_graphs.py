@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adaptivespec.cuda_graphs import (
+from adaptivespec.fastpath.cuda_graphs import (
     CudaGraphsUnsupportedError,
     GraphedTorchRuntime,
     StaticContextError,
@@ -24,9 +24,9 @@ from adaptivespec.cuda_graphs import (
 )
 from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.runtime import TorchRuntime
-from adaptivespec.strategies import TreePolicy, Verifier
-from adaptivespec.tree import path_to
-from adaptivespec.types import TreeShape, VerifyResult
+from adaptivespec.fastpath.forced_path import ForcedPath
+from adaptivespec.strategies import TreePolicy
+from adaptivespec.types import TreeShape
 
 from shared_prompts import PROMPTS
 
@@ -55,24 +55,6 @@ class Cycle(TreePolicy):
     def select_final(self, scores, shape):
         kept = super().select_final(scores, shape)
         return kept[: max(1, kept.shape[0] - 2)] if self.short else kept
-
-
-class ForcedPath(Verifier):
-    """Accepts a path fixed by the tree's structure (deepest last node, then a middle one...), so
-    accepted paths leave the first branch whatever the weights: cache compaction is exercised."""
-
-    name = "forced"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def verify(self, tree, logits) -> VerifyResult:
-        self.calls += 1
-        node = tree.size - 1 if self.calls % 2 else tree.size // 2
-        path = path_to(tree, torch.tensor(node))
-        tokens = tree.tokens[path[1:]].tolist() + [int(logits[node].argmax())]
-        return VerifyResult(path=path.tolist(), tokens=tokens)
 
 
 @pytest.fixture
@@ -256,7 +238,7 @@ def test_static_path_samples_like_eager(tiny, one_thread):
 def cost_aware_factory(tmp_path, per_verified_token: float):
     """``make()`` -> a fresh cost_aware policy (buckets 3/5/9, depth 4, topk 3) with a hand-set cost
     model (``per_verified_token`` ms per verified token) and a depth-independent prior."""
-    from adaptivespec.config import structure
+    from adaptivespec.params import structure
     from adaptivespec.costmodel import CostModel, save_prior
     from adaptivespec.policies.cost_aware import CostAwareParams, CostAwarePolicy
 

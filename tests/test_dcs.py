@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from adaptivespec.config import structure
+from adaptivespec.params import structure
 from adaptivespec.errors import ConfigError
 from adaptivespec.plugins import Registry
 from adaptivespec.policies import dcs

@@ -12,7 +12,8 @@ import attrs
 import pytest
 
 from adaptivespec import reference
-from adaptivespec.config import SECTIONS, int_at_least, number_in, one_of, positive_int
+from adaptivespec.config import SECTIONS
+from adaptivespec.params import int_at_least, number_in, one_of, positive_int
 from adaptivespec.plugins import get_plugin_host
 
 ROOT = Path(__file__).parents[1]

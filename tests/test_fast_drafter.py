@@ -1,4 +1,4 @@
-"""The fused bfloat16 inference path of the EAGLE-3 head (:mod:`adaptivespec.fastdrafter`).
+"""The fused bfloat16 inference path of the EAGLE-3 head (:mod:`adaptivespec.fastpath.drafter`).
 
 On the shipped head, over a prefill, two tree levels with masks and a commit-like extension: with
 torch's own ops it must reproduce the modules' outputs (states, log-probabilities, cache) bit for bit;
@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from adaptivespec import fastdrafter
+from adaptivespec.fastpath import drafter as fastdrafter
 from adaptivespec.drafter import Eagle3Drafter
-from adaptivespec.fastdrafter import fast_drafter
-from adaptivespec.prepack import NO_SGL_ENV, can_prepack, sgl_ops
+from adaptivespec.fastpath.drafter import fast_drafter
+from adaptivespec.fastpath.prepack import NO_SGL_ENV, can_prepack, sgl_ops
 
 pytestmark = pytest.mark.model  # loads the embedded target
 
@@ -169,7 +169,7 @@ def test_fused_drafter_never_serves_stale_weights(target16, monkeypatch):
 
 def test_folded_tree_levels_give_the_same_outputs(target16, monkeypatch):
     """The tree levels' attention with query heads folded into rows (long contexts) changes nothing."""
-    from adaptivespec import fastforward
+    from adaptivespec.fastpath import forward as fastforward
 
     monkeypatch.setenv(NO_SGL_ENV, "1")
     d = head(target16)

@@ -1,4 +1,4 @@
-"""The fused bfloat16 forward of Llama-layout targets (:mod:`adaptivespec.fastforward`).
+"""The fused bfloat16 forward of Llama-layout targets (:mod:`adaptivespec.fastpath.forward`).
 
 With torch's own ops (oneDNN matmuls) it must reproduce transformers' forward bit for bit: prefill,
 one-token steps, tree verification with a mask, hidden states; with SGLang's CPU kernels (only where
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adaptivespec import fastforward
-from adaptivespec.fastforward import FastLlama, fast_forward, sgl_ops, supported
-from adaptivespec.kvcache import buffered_cache
-from adaptivespec.prepack import can_prepack
+from adaptivespec.fastpath import forward as fastforward
+from adaptivespec.fastpath.forward import FastLlama, fast_forward, sgl_ops, supported
+from adaptivespec.fastpath.kvcache import buffered_cache
+from adaptivespec.fastpath.prepack import can_prepack
 
 from test_fastpath import tree_mask
 
@@ -63,6 +63,28 @@ def test_onednn_fused_forward_is_bit_identical_to_transformers(monkeypatch):
             assert len(g.hidden_states) == len(r.hidden_states) == model.config.num_hidden_layers + 1
             for a, b in zip(g.hidden_states, r.hidden_states):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unmasked_rows_after_a_prefill_return_hidden_states(monkeypatch):
+    """Several rows continuing a cached sequence without a given mask (the forward builds the
+    causal one) and with hidden states requested: the same states and logits as transformers."""
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    model = tiny()
+    needs_prepack(model)
+    ff = FastLlama(model, sgl=None)
+
+    @torch.inference_mode()
+    def run(forward):
+        torch.manual_seed(2)
+        cache = buffered_cache(model.config, capacity=64)
+        forward(input_ids=torch.randint(0, 320, (1, 9)), cache=cache, use_cache=True)
+        return forward(input_ids=torch.randint(0, 320, (1, 4)), cache=cache, use_cache=True, output_hidden_states=True)
+
+    ref, got = run(model), run(ff)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=0, atol=0)
+    assert len(got.hidden_states) == len(ref.hidden_states) == model.config.num_hidden_layers + 1
+    for a, b in zip(got.hidden_states, ref.hidden_states):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_sgl_kernel_fused_forward_agrees_to_bfloat16_rounding():
@@ -124,7 +146,7 @@ def test_torch_runtime_decodes_the_same_tokens_with_and_without_the_fused_forwar
 
 @torch.inference_mode()
 def test_packed_weight_matches_linear_on_either_kernel_and_falls_back_for_shapes_sgl_refuses():
-    from adaptivespec.prepack import PackedWeight
+    from adaptivespec.fastpath.prepack import PackedWeight
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN is not available in this torch build")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from adaptivespec.attention import NAME, use_tree_sdpa
-from adaptivespec.kvcache import BufferedLayer, buffered_cache
-from adaptivespec.prepack import PackedLinear, can_prepack, prepack_linears
+from adaptivespec.fastpath.attention import NAME, use_tree_sdpa
+from adaptivespec.fastpath.kvcache import BufferedLayer, buffered_cache
+from adaptivespec.fastpath.prepack import PackedLinear, can_prepack, prepack_linears
 from adaptivespec.runtime import compact_cache
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from adaptivespec.config import structure
+from adaptivespec.params import structure
 from adaptivespec.errors import ConfigError
 from adaptivespec.plugins import Registry
 from adaptivespec.strategies import TreePolicy

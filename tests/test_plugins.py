@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PLUGIN_SOURCE = '''
 import adaptivespec
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import TreeShape
+from adaptivespec.api import TreePolicy, TreeShape
 
 
 class ShortChain(TreePolicy):

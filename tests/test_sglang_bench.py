@@ -129,7 +129,7 @@ def test_run_bench_stops_every_server_even_when_a_generation_fails(tmp_path, mon
 
 def test_a_prompts_response_format_goes_to_sglangs_constrained_decoding():
     pytest.importorskip("xgrammar")
-    from adaptivespec.config import ResponseFormat
+    from adaptivespec.response_format import ResponseFormat
 
     config = load_config(ROOT / "configs" / "eagle3.yaml")
     c = sc.SGLangContender("sglang", config, peer="sglang", server_factory=FakeServer)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("xgrammar")
 
 from adaptivespec.config import load_config  # noqa: E402
-from adaptivespec.config import ResponseFormat  # noqa: E402
+from adaptivespec.response_format import ResponseFormat  # noqa: E402
 from adaptivespec.constraints import GrammarBackend  # noqa: E402
 from adaptivespec.errors import AdaptiveSpecError, ConfigError  # noqa: E402
 
@@ -300,7 +300,8 @@ def test_constrained_sampling_first_tokens_match_constrained_ar(sampled_ar, k, c
 
 
 def test_server_forms_of_a_response_format():
-    from adaptivespec.constraints import ResponseFormatError, openai_response_format, sglang_sampling_params
+    from adaptivespec.constraints import openai_response_format, sglang_sampling_params
+    from adaptivespec.response_format import ResponseFormatError
 
     fmt = ResponseFormat(type="json_schema", schema=SCHEMA)
     assert openai_response_format(fmt)["json_schema"]["schema"] == SCHEMA

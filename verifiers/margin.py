@@ -12,11 +12,10 @@ import attrs
 import torch
 
 import adaptivespec
-from adaptivespec.config import number_in, one_of, optional_positive_int
-from adaptivespec.sampling import greedy_ids, residual_draw, sibling_accept
-from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path, emit, greedy_matches
-from adaptivespec.types import DraftTree, VerifyResult
+from adaptivespec.api import (
+    DraftTree, Verifier, VerifyResult, accepted_path, emit, greedy_ids, greedy_matches, number_in, one_of,
+    optional_positive_int, residual_draw, sibling_accept,
+)
 
 DEFAULT_KAPPA = 0.9
 """Default threshold, chosen by measurement on held-out GSM8K *train* prompts (30 problems, 256

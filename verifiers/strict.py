@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 import adaptivespec
-from adaptivespec.sampling import greedy_ids, residual_draw, sibling_accept
-from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path, emit, greedy_matches
-from adaptivespec.types import DraftTree, VerifyResult
+from adaptivespec.api import (
+    DraftTree, Verifier, VerifyResult, accepted_path, emit, greedy_ids, greedy_matches, residual_draw,
+    sibling_accept,
+)
 
 __all__ = ["StrictVerifier", "emit", "greedy_matches"]  # the helpers live in adaptivespec.tree (kept importable here)
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from adaptivespec.config import parse_response_format
+    from adaptivespec.response_format import parse_response_format
     from adaptivespec.constraints import GrammarBackend
     from adaptivespec.models import embedded_folder
 

@@ -254,7 +254,7 @@ def response_format_of(problem: Problem):
         return None
     key = json.dumps(raw, sort_keys=True)
     if key not in _FORMATS:
-        from adaptivespec.config import parse_response_format
+        from adaptivespec.response_format import parse_response_format
 
         _FORMATS[key] = parse_response_format(raw, problem.id)
     return _FORMATS[key]

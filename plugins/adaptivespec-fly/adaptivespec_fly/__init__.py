@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import adaptivespec
+from adaptivespec.api import hookimpl
 from adaptivespec_fly.verifier import FlyParams, FlyVerifier, strict_run_below, topk_entropy
 
 __all__ = ["FlyParams", "FlyVerifier", "strict_run_below", "topk_entropy"]
 
 
-@adaptivespec.hookimpl
+@hookimpl
 def adaptivespec_register_verifiers(registry):
     registry.register(FlyVerifier)

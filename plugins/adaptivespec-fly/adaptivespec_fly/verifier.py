@@ -12,10 +12,9 @@ from __future__ import annotations
 import attrs
 import torch
 
-from adaptivespec.config import number_in, positive_int
-from adaptivespec.strategies import Verifier
-from adaptivespec.tree import accepted_path, emit, greedy_matches
-from adaptivespec.types import DraftTree, VerifyResult
+from adaptivespec.api import (
+    DraftTree, Verifier, VerifyResult, accepted_path, emit, greedy_matches, number_in, positive_int,
+)
 
 
 @attrs.frozen(kw_only=True)

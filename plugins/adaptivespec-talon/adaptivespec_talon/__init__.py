@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import adaptivespec
+from adaptivespec.api import hookimpl
 from adaptivespec_talon.policy import TalonParams, TalonPolicy
 
 __all__ = ["TalonParams", "TalonPolicy"]
 
 
-@adaptivespec.hookimpl
+@hookimpl
 def adaptivespec_register_policies(registry):
     registry.register(TalonPolicy)

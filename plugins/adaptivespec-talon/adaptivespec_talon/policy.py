@@ -15,9 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from adaptivespec.config import number_in, positive_int
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import StepSignals, TreeShape
+from adaptivespec.api import StepSignals, TreePolicy, TreeShape, number_in, positive_int
 
 THRESHOLD_TOL = 1e-6
 """Slack on the log-space gate ``score >= best + log(mu)``, so that a candidate at exactly

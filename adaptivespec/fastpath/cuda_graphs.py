@@ -39,8 +39,9 @@ import attrs
 import torch
 
 import adaptivespec
-from adaptivespec.bank import max_beam, max_expanded
+from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.fastpath.bank import max_beam, max_expanded
 from adaptivespec.runtime import TorchRuntime
 from adaptivespec.types import DraftTree, TreeShape
 
@@ -59,8 +60,6 @@ def cuda_graphs_unsupported_reason(runtime: Any, capture: bool = True) -> str | 
     """Why :func:`enable_cuda_graphs` cannot be applied to ``runtime``, as a sentence; None if it can."""
     from transformers.cache_utils import StaticLayer
 
-    from adaptivespec.drafter import Eagle3Drafter
-
     d = getattr(runtime, "drafter", None)
     if d is None:
         return "CUDA graphs capture the draft tree and its verification; autoregressive decoding (no drafter) has none"
@@ -74,7 +73,7 @@ def cuda_graphs_unsupported_reason(runtime: Any, capture: bool = True) -> str | 
         return f"{type(d).__name__} overrides Eagle3Drafter.step; the static draft step reproduces Eagle3Drafter.step only"
     cfg = runtime.target.config
     attn = getattr(cfg, "_attn_implementation", None)
-    if attn not in ("sdpa", "eager", "adaptivespec_sdpa"):  # (the last: sdpa with grouped KV heads, adaptivespec.attention)
+    if attn not in ("sdpa", "eager", "adaptivespec_sdpa"):  # (the last: sdpa with grouped KV heads, adaptivespec.fastpath.attention)
         return f"target attention {attn!r} does not take an additive float tree mask; load it with attn_implementation='sdpa'"
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope in ("dynamic", "longrope"):

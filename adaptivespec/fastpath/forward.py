@@ -11,9 +11,9 @@ computes the same function directly from the model's weights:
 - RMSNorm as one fused op (``torch.nn.functional.rms_norm``, with the same bfloat16 rounding as
   transformers' ``LlamaRMSNorm``), rotary embedding of Q and K together, SwiGLU in place;
 - grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` straight on the
-  in-place cache's views (:mod:`adaptivespec.kvcache`).
+  in-place cache's views (:mod:`adaptivespec.fastpath.kvcache`).
 
-Matmuls use oneDNN with prepacked weights (:mod:`adaptivespec.prepack`) or, when SGLang's CPU
+Matmuls use oneDNN with prepacked weights (:mod:`adaptivespec.fastpath.prepack`) or, when SGLang's CPU
 kernel package ``sgl_kernel`` imports (optional; ``scripts/install_sglang_cpu.sh``), its AMX
 ``weight_packed_linear``, RMSNorm and SwiGLU kernels, which carry much less fixed cost per call
 than oneDNN's at one row. ``$ADAPTIVESPEC_NO_FASTFORWARD=1`` keeps transformers' forward,
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
+from adaptivespec.fastpath.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_FASTFORWARD"
 _ATTR = "_adaptivespec_fastforward"
@@ -191,8 +191,8 @@ class FastLlama:
             if past == 0:
                 causal = True
             else:  # rows past..past+n-1 see everything before them
-                keep = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
-                mask = keep[None, None]
+                visible = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
+                mask = visible[None, None]
         qs, ks = self.q_size, self.kv_size
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
         sgl = self.sgl

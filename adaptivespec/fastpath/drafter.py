@@ -1,4 +1,4 @@
-"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (:mod:`adaptivespec.fastforward` for the head).
+"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (:mod:`adaptivespec.fastpath.forward` for the head).
 
 :class:`~adaptivespec.drafter.Eagle3Drafter` keeps transformers-style modules (separate Q, K and V,
 gate and up projections, ``LlamaRMSNorm``) so that its checkpoint layout and training stay those of
@@ -9,7 +9,7 @@ SpecForge / EAGLE. A draft step runs them for one to a few rows, where each op's
   and ``lm_head`` prepacked too;
 - RMSNorm as one op (transformers' bfloat16 rounding with torch's ops), rotary embedding of Q and K
   together, SwiGLU in place;
-- with SGLang's CPU kernels (:func:`~adaptivespec.prepack.sgl_ops`): their packed matmuls, RMSNorm,
+- with SGLang's CPU kernels (:func:`~adaptivespec.fastpath.prepack.sgl_ops`): their packed matmuls, RMSNorm,
   fused residual-add + RMSNorm and SwiGLU.
 
 With torch's ops the outputs are those of the modules bit for bit; with SGLang's kernels they agree
@@ -29,8 +29,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.fastforward import DISABLE_ENV, _fold_mask, _probe, attend, pack, rms_norm, rope
-from adaptivespec.prepack import can_prepack, sgl_ops
+from adaptivespec.fastpath.forward import DISABLE_ENV, _fold_mask, _probe, attend, pack, rms_norm, rope
+from adaptivespec.fastpath.prepack import can_prepack, sgl_ops
 
 
 def supported(drafter) -> str | None:
@@ -122,7 +122,7 @@ class FastEagle3:
         k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, b, D]
         v = qkv[:, qs + self.kv_size:].view(b, Hkv, D).transpose(0, 1).unsqueeze(0)
         keys, values, mask = drafter.append_kv(k, v, mask, x.dtype)
-        folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastforward)
+        folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastpath.forward)
         attn = attend(q, keys, values, mask, folded)
         o = self.o(attn[0].transpose(0, 1).reshape(b, qs))
         if self.sgl is not None:
@@ -142,7 +142,7 @@ def fast_drafter(drafter) -> FastEagle3 | None:
     """Enable the fused inference path on ``drafter`` (kept on it) and return it, or None where it
     does not apply (:func:`supported`), which also switches a previously enabled one off.
 
-    Called once by the runtime, as :func:`~adaptivespec.fastforward.fast_forward` for the target;
+    Called once by the runtime, as :func:`~adaptivespec.fastpath.forward.fast_forward` for the target;
     the weights are packed on first use."""
     if drafter is None or not hasattr(drafter, "midlayer"):
         return None
