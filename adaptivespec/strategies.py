@@ -34,6 +34,10 @@ class TreePolicy(FusionRules):
     name: ClassVar[str] = ""
     lossless: ClassVar[bool] = True  # a policy never changes what is accepted
     Params: ClassVar[type] = NoParams
+    adapts_shape: ClassVar[bool] = True
+    """Whether the shape may change from step to step. ``False`` (``static``: a baseline's one shape)
+    tells a serving engine to keep that shape as it is: ``adaptivespec serve``'s load model does not
+    shrink it under load."""
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()

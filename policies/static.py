@@ -26,6 +26,7 @@ class StaticPolicy(TreePolicy):
 
     name = "static"
     Params = StaticParams
+    adapts_shape = False
 
     def __init__(self, params: StaticParams | None = None) -> None:
         super().__init__(params)

@@ -19,18 +19,16 @@ import pytest
 
 from adaptivespec.sglang import plugin
 from adaptivespec.sglang.api import (
-    DRAFT_MODEL_API,
     REQUIRED_API,
     SGLANG_VERSION,
     Api,
     SGLangAPIError,
     assert_api,
     check_api,
-    check_head_config,
-    draft_config_reads,
     download_command,
     extract_sources,
 )
+from adaptivespec.sglang.head_config import DRAFT_MODEL_API, check_head_config, draft_config_reads
 
 NETWORK_ERRORS = (
     "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",

@@ -1,4 +1,5 @@
-"""adaptivespec.sglang.policy_bridge on CPU, with tensors laid out as SGLang 0.5.23 lays them out.
+"""The served step's pure-torch pieces (adaptivespec.sglang's controller, load model, shapes, state bank
+and verification) on CPU, with tensors laid out as SGLang 0.5.23 lays them out.
 
 The SGLang-side reference code here (drafting a tree the way ``draft_forward`` /
 ``organize_draft_results`` do, linking it the way ``build_tree_kernel_efficient`` does, verifying it
@@ -15,17 +16,11 @@ import torch
 from adaptivespec.costmodel import CostModel
 from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
 from adaptivespec.policies.static import StaticParams, StaticPolicy
-from adaptivespec.sglang.policy_bridge import (
-    LoadModel,
-    ShapeStateBank,
-    TripletController,
-    kv_alloc_len_per_decode,
-    parents_from_retrieve,
-    retrieve_from_parents,
-    sglang_shape,
-    sglang_shape_problem,
-    wrap_verify,
-)
+from adaptivespec.sglang.controller import TripletController
+from adaptivespec.sglang.load_model import LoadModel
+from adaptivespec.sglang.shapes import kv_alloc_len_per_decode, sglang_shape, sglang_shape_problem
+from adaptivespec.sglang.state_bank import ShapeStateBank
+from adaptivespec.sglang.verification import parents_from_retrieve, retrieve_from_parents, wrap_verify
 from adaptivespec.strategies import TreePolicy, Verifier
 from adaptivespec.types import StepRecord, StepSignals, TreeShape, VerifyResult
 from adaptivespec.verifiers.strict import StrictVerifier

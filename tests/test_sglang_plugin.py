@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import sys
 import types
 from types import SimpleNamespace
@@ -20,7 +21,10 @@ import torch
 from adaptivespec.errors import AdaptiveSpecError, ShapeNotInBankError
 from adaptivespec.sglang import CONFIG_ENV, plugin
 from adaptivespec.sglang.api import SGLANG_VERSION, SGLangAPIError
-from adaptivespec.sglang.policy_bridge import TripletController, retrieve_from_parents
+from adaptivespec.sglang.controller import TripletController
+from adaptivespec.sglang.platform import unsupported_reason
+from adaptivespec.sglang.state_bank import KV_RESERVE
+from adaptivespec.sglang.verification import VERIFYING, retrieve_from_parents
 from adaptivespec.strategies import TreePolicy, Verifier
 from adaptivespec.types import TreeShape, VerifyResult
 
@@ -82,7 +86,7 @@ def make_sglang(monkeypatch, start: TreeShape):
     ars.SpecRuntimeState = SpecRuntimeState
     for name, mod in {"sglang.srt.runtime_context": rc, "sglang.srt.speculative.adaptive_runtime_state": ars}.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    ew = types.ModuleType("fake_eagle_worker_v2")
+    ew = types.ModuleType("sglang.srt.speculative.eagle_worker_v2")
 
     class EagleDraftWorker:
         def __init__(self):
@@ -146,7 +150,7 @@ def make_sglang(monkeypatch, start: TreeShape):
             return "result"
 
         def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
-            return plugin._VERIFYING.get()
+            return VERIFYING.get()
 
         def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
             self.completed.append(list(num_correct_drafts_per_req))
@@ -164,13 +168,23 @@ def config_path(tmp_path):
     return str(path)
 
 
+def load_workers(monkeypatch, ew):
+    """adaptivespec.sglang.workers imported afresh over the stand-ins (its classes subclass ``ew``'s)."""
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.eagle_worker_v2", ew)
+    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers", raising=False)
+    workers = importlib.import_module("adaptivespec.sglang.workers")
+    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers")  # the next test imports its own
+    return workers
+
+
 def make_worker(monkeypatch, config_path, start=TOP, verifier=None):
     ew, spec, ctx = make_sglang(monkeypatch, start)
-    monkeypatch.setattr(plugin, "build_strategies", lambda config, host=None: (Policy(), verifier))
-    monkeypatch.setitem(plugin._KV_RESERVE, "len", 0)
-    draft_cls, worker_cls = plugin._worker_classes(ew, config_path)
-    ew.EagleDraftWorker = draft_cls  # what HookRegistry's REPLACE does
-    return worker_cls(None, 0, 0, None), spec, ctx
+    workers = load_workers(monkeypatch, ew)
+    monkeypatch.setenv(CONFIG_ENV, config_path)
+    monkeypatch.setattr(workers, "build_strategies", lambda config, host=None: (Policy(), verifier))
+    monkeypatch.setitem(KV_RESERVE, "len", 0)
+    ew.EagleDraftWorker = workers.AdaptiveSpecDraftWorker  # what HookRegistry's REPLACE does
+    return workers.AdaptiveSpecWorker(None, 0, 0, None), spec, ctx
 
 
 def decode_batch(top1: float, k: int = 4, rid: str = "r0"):
@@ -182,7 +196,7 @@ def decode_batch(top1: float, k: int = 4, rid: str = "r0"):
 
 def test_worker_captures_every_shape_with_its_topk(monkeypatch, config_path):
     worker, spec, ctx = make_worker(monkeypatch, config_path)
-    assert worker._draft_worker.adaptivespec_topk == 4 and plugin._KV_RESERVE["len"] == 12
+    assert worker._draft_worker.adaptivespec_topk == 4 and KV_RESERVE["len"] == 12
     worker.init_cuda_graphs()
     bank = worker.adaptivespec_bank
     assert bank.keys() == (A2, A, C, B)
@@ -227,15 +241,15 @@ def test_verify_marks_the_worker_only_for_a_non_strict_verifier(monkeypatch, con
     worker, *_ = make_worker(monkeypatch, config_path)
     assert worker.verify(None) is None
     lossy, *_ = make_worker(monkeypatch, config_path, verifier=FirstChild())
-    assert lossy.verify(None) is lossy and plugin._VERIFYING.get() is None
+    assert lossy.verify(None) is lossy and VERIFYING.get() is None
 
 
 def test_unsupported_settings():
     ok = dict(adaptive=False, rejection_sampling=False, tp_size=1, pp_size=1)
-    assert plugin.unsupported_reason(**ok) is None
-    assert "--speculative-adaptive" in plugin.unsupported_reason(**{**ok, "adaptive": True})
-    assert "rejection" in plugin.unsupported_reason(**{**ok, "rejection_sampling": True})
-    assert "tp_size=2" in plugin.unsupported_reason(**{**ok, "tp_size": 2})
+    assert unsupported_reason(**ok) is None
+    assert "--speculative-adaptive" in unsupported_reason(**{**ok, "adaptive": True})
+    assert "rejection" in unsupported_reason(**{**ok, "rejection_sampling": True})
+    assert "tp_size=2" in unsupported_reason(**{**ok, "tp_size": 2})
 
 
 # -- the eagle_sample and KV hooks ---------------------------------------------------------------------
@@ -273,7 +287,7 @@ def test_sample_hook_runs_the_adaptivespec_verifier_on_penalised_logits():
     controller = TripletController(Policy())
     controller.begin_step(torch.tensor([[0.1, 0.1, 0.1, 0.1]]))
     worker = SimpleNamespace(adaptivespec_verifier=FirstChild(), adaptivespec=controller)
-    token = plugin._VERIFYING.set(worker)
+    token = VERIFYING.set(worker)
     try:
         verify_input, batch, out = sample_inputs()
         predict, accept_lens, accept_index = plugin._eagle_sample_around(eagle_sample, verify_input, batch, logits_output=out)
@@ -283,11 +297,11 @@ def test_sample_hook_runs_the_adaptivespec_verifier_on_penalised_logits():
         for kwargs in (dict(greedy=False), dict(idle=True)):  # SGLang's own result
             assert plugin._eagle_sample_around(eagle_sample, *sample_inputs(**kwargs))[0] == "sglang"
     finally:
-        plugin._VERIFYING.reset(token)
+        VERIFYING.reset(token)
 
 
 def test_kv_hook_reserves_for_the_largest_shape(monkeypatch):
-    monkeypatch.setitem(plugin._KV_RESERVE, "len", 12)
+    monkeypatch.setitem(KV_RESERVE, "len", 12)
     assert plugin._kv_alloc_len_around(lambda: 8) == 12 and plugin._kv_alloc_len_around(lambda: 20) == 20
 
 
@@ -327,14 +341,16 @@ def fake_hook_modules(monkeypatch, ew):
     spec_pkg.eagle_worker_v2, spec_pkg.eagle_worker_common = ew, types.ModuleType("common")
     for name, mod in {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
                       "sglang.srt.plugins": types.ModuleType("sglang.srt.plugins"),
-                      "sglang.srt.plugins.hook_registry": hr, "sglang.srt.speculative": spec_pkg}.items():
+                      "sglang.srt.plugins.hook_registry": hr, "sglang.srt.speculative": spec_pkg,
+                      "sglang.srt.speculative.eagle_worker_v2": ew}.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers", raising=False)  # imported over these
 
 
 def test_entry_point_registers_the_worker_and_the_two_wrappers(monkeypatch, config_path):
     ew, *_ = make_sglang(monkeypatch, TOP)
     fake_hook_modules(monkeypatch, ew)
-    monkeypatch.setattr("adaptivespec.sglang.api.assert_api", lambda: None)
+    monkeypatch.setattr(plugin, "assert_api", lambda: None)
     monkeypatch.setenv(CONFIG_ENV, config_path)
     plugin.register()
     got = {target: (hook, kind) for target, hook, kind in HookRegistry.hooks}
@@ -370,7 +386,7 @@ def test_failed_load_makes_the_eagle_worker_refuse_to_start(monkeypatch, config_
     def broken():
         raise SGLangAPIError("no EAGLEWorkerV2.apply_runtime_state")
 
-    monkeypatch.setattr("adaptivespec.sglang.api.assert_api", broken)
+    monkeypatch.setattr(plugin, "assert_api", broken)
     monkeypatch.setenv(CONFIG_ENV, config_path)
     with pytest.raises(SGLangAPIError):
         plugin.register()

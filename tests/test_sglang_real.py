@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptivespec.sglang import serve
+from adaptivespec.sglang import platform
+from adaptivespec.sglang.controller import build_strategies
 from adaptivespec.sglang.server import SGLangServer, free_port, peer_command, served_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ PROMPTS = [
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed (run scripts/install_sglang_cpu.sh on a Xeon with AMX)"
-    if serve.detect_device() == "cpu" and not serve.cpu_has_amx():
+    if platform.detect_device() == "cpu" and not platform.cpu_has_amx():
         return "no CUDA and this CPU has no AMX: SGLang's CPU backend cannot run speculative decoding here"
     try:
         import sglang  # noqa: F401
@@ -179,7 +180,6 @@ def test_identical_requests_are_identical_once_the_prefix_cache_is_flushed(serve
 
 def test_dcs_chooses_varying_shapes_per_step(served, prompt_ids):
     from adaptivespec.config import load_config
-    from adaptivespec.sglang.policy_bridge import build_strategies
 
     server, trace = served
     before = len(_trace(trace)) if trace.exists() else 0

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.sglang import CONFIG_ENV, serve
+import adaptivespec
+from adaptivespec import plugins
+from adaptivespec.policies.static import StaticPolicy
+from adaptivespec.sglang import CONFIG_ENV, platform, serve
+from adaptivespec.sglang.controller import build_strategies
+from adaptivespec.strategies import Verifier
 from adaptivespec.sglang.api import SGLANG_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +28,7 @@ TARGET, DRAFTER = "meta-llama/Llama-3.1-8B-Instruct", "/models/eagle3-llama3.1-8
 def cuda_by_default(monkeypatch):
     """Commands as on a CUDA machine unless a test says ``device="cpu"`` (this one may have no GPU)."""
     monkeypatch.setattr(serve, "detect_device", lambda: "cuda")
+    monkeypatch.setattr(platform, "detect_device", lambda: "cuda")
 
 
 @pytest.fixture
@@ -106,7 +112,7 @@ def test_print_command(config, capsys, monkeypatch):
     for part in ("--speculative-algorithm EAGLE3", f"--speculative-draft-model-path {DRAFTER}", "--speculative-num-steps 5",
                  "--speculative-eagle-topk 4", "--speculative-num-draft-tokens 8", "--port 31000"):
         assert part in line
-    assert line.endswith("--disable-overlap-schedule --mem-fraction-static 0.8")
+    assert line.endswith("--disable-overlap-schedule --enable-metrics --mem-fraction-static 0.8")
 
 
 def test_cli_subcommand_prints_the_command(config, capsys):
@@ -117,7 +123,7 @@ def test_cli_subcommand_prints_the_command(config, capsys):
 
 def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    monkeypatch.setattr(platform.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     monkeypatch.setattr(serve.os, "execvpe", lambda *a: pytest.fail("must not exec"))
     args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
     with pytest.raises(AdaptiveSpecError) as err:
@@ -128,14 +134,14 @@ def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
 
 
 def test_serve_checks_the_api_then_execs(config, monkeypatch):
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: object())
-    monkeypatch.setattr(serve, "installed_version", lambda: SGLANG_VERSION)
-    monkeypatch.setattr(serve, "check_api", lambda: ["x.y: not found"])
+    monkeypatch.setattr(platform.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(platform, "installed_version", lambda: SGLANG_VERSION)
+    monkeypatch.setattr(platform, "check_api", lambda: ["x.y: not found"])
     args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
     with pytest.raises(AdaptiveSpecError, match="lacks what the plugin .* needs: x.y: not found"):
         serve.run_serve(args)
     calls = []
-    monkeypatch.setattr(serve, "check_api", lambda: [])
+    monkeypatch.setattr(platform, "check_api", lambda: [])
     monkeypatch.setattr(serve.os, "execvpe", lambda *a: calls.append(a))
     serve.run_serve(args)
     (file, argv, env), = calls
@@ -200,9 +206,9 @@ def test_kv_tokens_from_the_model_config(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64, '
                                           '"hidden_size": 576, "num_attention_heads": 9}')
     per_token = 30 * 2 * 3 * 64 * 2
-    assert serve.kv_tokens(str(tmp_path), available=20 * (1 << 30)) == (1 << 30) // per_token // 1024 * 1024
-    assert serve.kv_tokens(str(tmp_path), available=1 << 20) == 8192  # floor: one 8k request
-    assert serve.kv_tokens(str(tmp_path / "missing"), available=20 * (1 << 30)) > 8192
+    assert platform.kv_tokens(str(tmp_path), available=20 * (1 << 30)) == (1 << 30) // per_token // 1024 * 1024
+    assert platform.kv_tokens(str(tmp_path), available=1 << 20) == 8192  # floor: one 8k request
+    assert platform.kv_tokens(str(tmp_path / "missing"), available=20 * (1 << 30)) > 8192
 
 
 def test_cpu_env_binds_threads_and_preloads_what_exists(config, monkeypatch):
@@ -214,7 +220,7 @@ def test_cpu_env_binds_threads_and_preloads_what_exists(config, monkeypatch):
     assert env[serve.TRACE_ENV] == str(Path("steps.jsonl").resolve())
     kept = serve.build_env(config, {"SGLANG_CPU_OMP_THREADS_BIND": "3", "LD_PRELOAD": ""}, device="cpu")
     assert kept["SGLANG_CPU_OMP_THREADS_BIND"] == "3" and kept["LD_PRELOAD"] == ""
-    assert serve._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert platform._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
 @pytest.mark.parametrize("name,missing", [("hybrid.yaml", "sources [retrieval]"), ("ar.yaml", "model.drafter is null")])
@@ -228,6 +234,7 @@ def test_serve_refuses_what_sglang_cannot_express_in_one_line(name, missing, cap
 def test_print_command_on_cpu_shows_the_cpu_environment(capsys, monkeypatch):
     cli = pytest.importorskip("adaptivespec.cli")
     monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+    monkeypatch.setattr(platform, "detect_device", lambda: "cpu")
     code = cli.main(["serve", "--config", str(ROOT / "configs" / "adaptivespec-dynamic.yaml"), "--print-command",
                      "--trace", "t.jsonl"])
     out = capsys.readouterr().out
@@ -237,6 +244,7 @@ def test_print_command_on_cpu_shows_the_cpu_environment(capsys, monkeypatch):
 
 def test_load_profile_auto_serves_adaptive_policies_load_aware_on_cpu_and_leaves_static_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+    monkeypatch.setattr(platform, "detect_device", lambda: "cpu")
     dynamic, static = ROOT / "configs" / "adaptivespec-dynamic.yaml", ROOT / "configs" / "eagle3.yaml"
     shipped = serve.load_profile(dynamic)
     assert shipped is not None and shipped.name == serve.SERVED_CPU_PROFILE and shipped.is_file()
@@ -259,3 +267,70 @@ def test_bad_load_profile_is_one_line_exit_2(capsys):
                      "--load-profile", "missing.json"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--load-profile" in err and "missing.json" in err
+
+
+def test_metrics_are_on_by_default_and_no_metrics_turns_both_off(config, capsys, monkeypatch):
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    base = ["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]
+    assert serve.run_serve(parse(base)) == 0
+    on = capsys.readouterr().out
+    assert " --enable-metrics" in on and "ADAPTIVESPEC_SGLANG_METRICS" not in on
+    assert serve.run_serve(parse(base + ["--no-metrics"])) == 0
+    off = capsys.readouterr().out
+    assert "--enable-metrics" not in off and "ADAPTIVESPEC_SGLANG_METRICS=0" in off
+    given = serve.build_command(config, TARGET, DRAFTER, extra_args=["--enable-metrics"])
+    assert given.count("--enable-metrics") == 1  # passed after --: not twice
+
+
+class ExactVerifier(Verifier):
+    """A third-party verifier that declares itself lossless (as strict does)."""
+
+    name = "exact"
+    lossless = True
+    supports_sampling = True
+
+
+class NearVerifier(Verifier):
+    name = "near"
+    lossless = False
+    supports_sampling = True
+
+
+class FixedPolicy(StaticPolicy):
+    """A third-party policy that keeps one shape (as static does), under another name."""
+
+    name = "fixed"
+    adapts_shape = False
+
+
+class Capabilities:
+    @staticmethod
+    @adaptivespec.hookimpl
+    def adaptivespec_register_verifiers(registry):
+        registry.register(ExactVerifier)
+        registry.register(NearVerifier)
+
+    @staticmethod
+    @adaptivespec.hookimpl
+    def adaptivespec_register_policies(registry):
+        registry.register(FixedPolicy)
+
+
+def test_capabilities_not_names_decide_how_a_strategy_is_served(monkeypatch, tmp_path):
+    monkeypatch.setattr(plugins, "_HOST", plugins.make_plugin_host([Capabilities]))
+    monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+
+    def write(name, text):
+        (tmp_path / name).write_text("model:\n  target: smollm2-135m-instruct\n  drafter: embedded\n" + text)
+        return tmp_path / name
+
+    exact = write("exact.yaml", "policy: fixed\nverifier: exact\ngeneration:\n  temperature: 0.7\n")
+    sc = serve.served_config(exact)
+    assert build_strategies(sc.config)[1] is None  # SGLang's own verify stands in, as for strict
+    assert serve.load_profile(sc) is None  # a policy that keeps one shape is not shrunk, as static is not
+    assert "--preferred-sampling-params" in serve.sampling_args(sc)  # lossless: SGLang's tree sampling serves it
+    near = write("near.yaml", "policy: dcs\nverifier: near\ngeneration:\n  temperature: 0.7\n")
+    assert isinstance(build_strategies(serve.served_config(near).config)[1], NearVerifier)
+    assert serve.load_profile(near) is not None  # dcs adapts its shape
+    with pytest.raises(AdaptiveSpecError, match="verifier 'near' at generation.temperature 0.7"):
+        serve.sampling_args(near)

@@ -1,14 +1,26 @@
 """Serving adaptivespec strategies inside SGLang's EAGLE-3 worker.
 
-Importing this package never imports sglang: only :mod:`adaptivespec.sglang.plugin` does, and only
-inside the functions SGLang's plugin loader calls in its own processes.
+Importing this package never imports sglang: only :mod:`adaptivespec.sglang.plugin` and
+:mod:`adaptivespec.sglang.workers` do, and only inside the functions SGLang's plugin loader calls
+in its own processes. One concept per module:
 
 * :mod:`~adaptivespec.sglang.api` -- the pinned SGLang release and every name the plugin touches,
-  checked statically (``ast`` over the sources) or at load time (``inspect``).
-* :mod:`~adaptivespec.sglang.policy_bridge` -- pure-torch glue, testable on CPU: the per-step
-  triplet controller, the bank of per-shape runtime states, the verifier wrapper.
-* :mod:`~adaptivespec.sglang.plugin` -- the ``sglang.srt.plugins`` entry point.
+  checked statically (``ast`` over the sources) or at load time (``inspect``);
+  :mod:`~adaptivespec.sglang.head_config` -- which draft-head config keys SGLang reads.
+* :mod:`~adaptivespec.sglang.shapes` -- tree shapes as SGLang's worker runs them.
+* :mod:`~adaptivespec.sglang.load_model` -- the shape that gives a batch the most tokens/s.
+* :mod:`~adaptivespec.sglang.controller` -- the per-step shape controller around one tree policy.
+* :mod:`~adaptivespec.sglang.state_bank` -- one pre-built runtime state per shape.
+* :mod:`~adaptivespec.sglang.verification` -- an adaptivespec verifier on SGLang's verify inputs.
+* :mod:`~adaptivespec.sglang.trace` and :mod:`~adaptivespec.sglang.metrics` -- what the worker
+  records: a per-step trace file, Prometheus series on ``/metrics``.
+* :mod:`~adaptivespec.sglang.workers` -- the EAGLE worker subclasses (built when SGLang imports).
+* :mod:`~adaptivespec.sglang.plugin` -- the ``sglang.srt.plugins`` entry point and its hooks.
+* :mod:`~adaptivespec.sglang.platform` -- devices, the CPU backend's flags, the preflight check.
 * :mod:`~adaptivespec.sglang.serve` -- ``adaptivespec serve``: the ``sglang.launch_server`` command.
+* :mod:`~adaptivespec.sglang.server` -- servers on loopback for tests, the bench and the soak.
+
+The environment variables below are how ``serve`` talks to the plugin inside SGLang's processes.
 """
 
 from __future__ import annotations
@@ -21,4 +33,18 @@ CONFIG_ENV = "ADAPTIVESPEC_CONFIG"
 PLUGIN_NAME = "adaptivespec"
 """Entry-point name under SGLang's ``sglang.srt.plugins`` group (what ``SGLANG_PLUGINS`` lists)."""
 
-__all__ = ["CONFIG_ENV", "PLUGIN_NAME", "SGLANG_VERSION"]
+TRACE_ENV = "ADAPTIVESPEC_SGLANG_TRACE"
+"""Environment variable naming a JSON-lines file the plugin appends one record per decode step to
+(``serve --trace``): the step's shape, batch size and accepted drafted tokens."""
+
+VERIFY_BUDGET_ENV = "ADAPTIVESPEC_SGLANG_VERIFY_BUDGET"
+"""Environment variable of ``serve --verify-budget``: the load-aware cap on verified rows per step."""
+
+LOAD_PROFILE_ENV = "ADAPTIVESPEC_SGLANG_LOAD_PROFILE"
+"""Environment variable of ``serve --load-profile``: the served step's cost profile (load-aware trees)."""
+
+METRICS_ENV = "ADAPTIVESPEC_SGLANG_METRICS"
+"""``0`` turns the worker's ``adaptivespec_*`` series off (``serve --no-metrics`` sets it)."""
+
+__all__ = ["CONFIG_ENV", "LOAD_PROFILE_ENV", "METRICS_ENV", "PLUGIN_NAME", "SGLANG_VERSION", "TRACE_ENV",
+           "VERIFY_BUDGET_ENV"]

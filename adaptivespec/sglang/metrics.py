@@ -41,11 +41,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from adaptivespec.sglang import METRICS_ENV
 from adaptivespec.types import TreeShape
 
-METRICS_ENV = "ADAPTIVESPEC_SGLANG_METRICS"
-"""``0`` turns the worker's series off even where SGLang's metrics are on (``serve --no-metrics``
-turns both off)."""
 
 PREFIX = "adaptivespec"
 SOURCES = ("head",)

@@ -15,185 +15,90 @@ shipped head folder.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import attrs
+
+from adaptivespec.config import Config, load_config
+from adaptivespec.constraints import sglang_sampling_params
+from adaptivespec.costmodel import CostModel, resolve_profile
+from adaptivespec.drafter import resolve_drafter_path
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.sglang import CONFIG_ENV, PLUGIN_NAME
-from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
-from adaptivespec.sglang.policy_bridge import ShapeStateBank, build_strategies, sglang_shapes
+from adaptivespec.models import EMBEDDED, embedded_folder
+from adaptivespec.plugins import get_plugin_host
+from adaptivespec.sglang import CONFIG_ENV, LOAD_PROFILE_ENV, METRICS_ENV, PLUGIN_NAME, TRACE_ENV, VERIFY_BUDGET_ENV
+from adaptivespec.sglang.controller import build_strategies, step_level_notice
+from adaptivespec.sglang.platform import cpu_args, cpu_env, detect_device, preflight
+from adaptivespec.sglang.shapes import sglang_shapes
+from adaptivespec.sglang.state_bank import ShapeStateBank
+from adaptivespec.strategies import TreePolicy
 from adaptivespec.types import TreeShape
-
-INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
-                "on a Xeon with AMX: scripts/install_sglang_cpu.sh")
-
-TRACE_ENV = "ADAPTIVESPEC_SGLANG_TRACE"
-"""Environment variable naming a JSON-lines file the plugin appends one record per decode step to
-(``serve --trace``): the step's shape, batch size and accepted drafted tokens."""
-
-VERIFY_BUDGET_ENV = "ADAPTIVESPEC_SGLANG_VERIFY_BUDGET"
-"""Environment variable of ``serve --verify-budget``: the load-aware cap on verified rows per step."""
-
-LOAD_PROFILE_ENV = "ADAPTIVESPEC_SGLANG_LOAD_PROFILE"
-"""Environment variable of ``serve --load-profile``: the served step's cost profile (load-aware trees)."""
 
 SERVED_CPU_PROFILE = "sglang-cpu-smollm2-135m-bf16.json"
 """The shipped cost profile of the embedded pair served by SGLang's CPU backend (bf16), fitted from
 a served trace on training prompts (``python -m adaptivespec.analysis.served_cost``)."""
 
-CPU_PRELOADS = ("libiomp5.so", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtbbmalloc.so.2")
-"""Libraries SGLang's CPU recipe preloads (Intel OpenMP from the venv, tcmalloc, TBB's malloc); each
-only where present."""
 
-KV_BUDGET_BYTES = 1 << 30
-"""At most this much memory (and 5% of the available memory) for the CPU server's KV cache."""
+@attrs.frozen
+class ServedConfig:
+    """A config as ``serve`` reads it, once: the parsed YAML, its policy and its verifier's class
+    (whose capabilities, not its name, decide how it is served). Every function below takes one, or
+    a config path it reads into one."""
 
+    path: Path
+    config: Config
+    policy: TreePolicy
+    verifier_cls: type
 
-def detect_device() -> str:
-    """``cuda`` when torch sees a CUDA device, else ``cpu`` (SGLang's Intel AMX backend)."""
-    try:
-        import torch
+    @classmethod
+    def load(cls, path: str | Path) -> "ServedConfig":
+        config = load_config(path)
+        policy, _ = build_strategies(config)
+        return cls(Path(path), config, policy, get_plugin_host().verifiers.get(config.verifier.name).cls)
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:
-        return "cpu"
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU speculative path needs it."""
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    def bank(self) -> ShapeStateBank:
+        """The policy's shapes as SGLang runs them (refusing what it cannot run)."""
+        return ShapeStateBank(sglang_shapes(self.policy.shapes()))
 
 
-def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 << 30
+def served_config(config: "str | Path | ServedConfig") -> ServedConfig:
+    """``config`` itself, or the config at that path read (once per call site: pass the value on)."""
+    return config if isinstance(config, ServedConfig) else ServedConfig.load(config)
 
 
-def kv_tokens(target: str, available: int | None = None, budget: int = KV_BUDGET_BYTES) -> int:
-    """``--max-total-tokens`` for a CPU server: the KV cache of ``target`` (a folder with a
-    ``config.json``; bf16 K and V of every layer) in min(``budget``, 5% of the available memory),
-    in multiples of 1024, at least 8192 (what one 8k-context request needs) and at most 262144.
-    Without it SGLang sizes the cache as for a GPU (18 GB for the embedded model)."""
-    import json
-
-    per_token = 30 * 2 * 3 * 64 * 2  # the embedded model's, when the folder cannot be read
-    try:
-        c = json.loads((Path(target) / "config.json").read_text())
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-        per_token = c["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        pass
-    avail = _available_memory() if available is None else available
-    tokens = min(budget, avail // 20) // per_token // 1024 * 1024
-    return max(8192, min(tokens, 262144))
-
-
-def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
-    """The flags a CPU server needs (those the user already passes after ``--`` are left out):
-    ``--device cpu``, ``--dtype bfloat16`` (the draft otherwise runs float16 against a bf16 target
-    and the AMX GEMM refuses the mix), ``--max-total-tokens`` (:func:`kv_tokens`) and
-    ``--sleep-on-idle`` (an idle scheduler otherwise busy-polls 20-40% of a core, taken from
-    whatever else runs on the machine; it wakes on the next request)."""
-    given = {a.split("=", 1)[0] for a in extra_args if a.startswith("--")}
-    for i, a in enumerate(extra_args):
-        value = a.split("=", 1)[1] if a.startswith("--dtype=") else (
-            extra_args[i + 1] if a == "--dtype" and i + 1 < len(extra_args) else None)
-        if value in ("float32", "float"):
-            raise AdaptiveSpecError(f"--dtype {value}: SGLang's CPU kernels run bfloat16 only (their RMSNorm has no "
-                                    "float32 kernel); drop --dtype, serve picks bfloat16")
-    out: list[str] = []
-    for flag, value in (("--device", "cpu"), ("--dtype", "bfloat16"), ("--max-total-tokens", None)):
-        if flag not in given:
-            out += [flag, value if value is not None else str(kv_tokens(target))]
-    if "--sleep-on-idle" not in given:
-        out.append("--sleep-on-idle")
-    return out
-
-
-def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What SGLang's CPU engine reads: ``SGLANG_USE_CPU_ENGINE=1``, OpenMP threads bound to this
-    process's CPUs (``SGLANG_CPU_OMP_THREADS_BIND``), and ``LD_PRELOAD`` of Intel OpenMP, tcmalloc
-    and tbbmalloc where present. Values already in ``base`` are kept."""
-    env = dict(os.environ if base is None else base)
-    env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    if "SGLANG_CPU_OMP_THREADS_BIND" not in env:
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = _ranges(cpus)
-    if "LD_PRELOAD" not in env:
-        prefix = Path(sys.prefix) / "lib"
-        libs = [str(prefix / p) if "/" not in p else p for p in CPU_PRELOADS]
-        present = [p for p in libs if Path(p).is_file()]
-        if present:
-            env["LD_PRELOAD"] = ":".join(present)
-    return env
-
-
-def _ranges(cpus: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    parts: list[str] = []
-    start = prev = None
-    for c in cpus:
-        if start is None:
-            start = prev = c
-        elif c == prev + 1:
-            prev = c
-        else:
-            parts.append(f"{start}-{prev}" if start != prev else str(start))
-            start = prev = c
-    if start is not None:
-        parts.append(f"{start}-{prev}" if start != prev else str(start))
-    return ",".join(parts)
-
-
-def unservable(config_path: str | Path) -> str | None:
+def unservable(config: "str | Path | ServedConfig") -> str | None:
     """What in the config SGLang's EAGLE-3 worker cannot run, as one sentence (None: servable).
 
     Candidate sources (``sources:``, e.g. ``retrieval``) add nodes to the drafted tree: SGLang builds
     its tree from the head's beam only, in its tree kernel, so they have no place there. Verifiers
     run through the plugin's ``eagle_sample`` hook (greedy batches)."""
-    from adaptivespec.config import load_config
-
-    config = load_config(config_path)
-    if config.autoregressive:
-        return (f"{config_path}: model.drafter is null (autoregressive): serve runs SGLang's EAGLE-3 worker; "
+    sc = served_config(config)
+    if sc.config.autoregressive:
+        return (f"{sc.path}: model.drafter is null (autoregressive): serve runs SGLang's EAGLE-3 worker; "
                 "serve plain decoding with python -m sglang.launch_server")
-    if config.sources:
-        names = ", ".join(s.name for s in config.sources)
-        return (f"{config_path}: sources [{names}]: SGLang's EAGLE-3 worker builds its tree from the draft head's "
+    if sc.config.sources:
+        names = ", ".join(s.name for s in sc.config.sources)
+        return (f"{sc.path}: sources [{names}]: SGLang's EAGLE-3 worker builds its tree from the draft head's "
                 "beam only (no candidate-source hook); serve without sources (e.g. configs/cost-aware.yaml)")
     return None
 
 
-def bank_shapes(config_path: str | Path) -> tuple[tuple[TreeShape, ...], TreeShape]:
-    """The config's policy shapes as SGLang runs them (:func:`sglang_shape`) and the largest, which
-    the server starts at."""
-    from adaptivespec.config import load_config
-
-    bank = ShapeStateBank(sglang_shapes(build_strategies(load_config(config_path))[0].shapes()))
+def bank_shapes(config: "str | Path | ServedConfig") -> tuple[tuple[TreeShape, ...], TreeShape]:
+    """The config's policy shapes as SGLang runs them (:func:`~adaptivespec.sglang.shapes.sglang_shape`)
+    and the largest, which the server starts at."""
+    bank = served_config(config).bank()
     return bank.shapes, bank.max_shape()
 
 
-def _model_paths(config_path: str | Path, target: str | None, drafter: str | None) -> tuple[str, str]:
+def _model_paths(config: "str | Path | ServedConfig", target: str | None, drafter: str | None) -> tuple[str, str]:
     """Paths SGLang loads: the embedded target is its converted safetensors folder (converted
     first if needed, as ``generate`` does), ``embedded`` the shipped head's folder."""
-    from adaptivespec.config import load_config
-    from adaptivespec.drafter import resolve_drafter_path
-    from adaptivespec.models import EMBEDDED, embedded_folder
-
-    model = load_config(config_path).model
+    model = served_config(config).config.model
     target = target or model.target
     drafter = drafter or model.drafter
     if target == EMBEDDED:  # the GGUF is an adaptivespec-only alias; SGLang reads the converted folder
@@ -207,35 +112,27 @@ def _model_paths(config_path: str | Path, target: str | None, drafter: str | Non
     return target, drafter
 
 
-def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> list[str]:
+def sampling_args(config: "str | Path | ServedConfig", extra_args: Sequence[str] = ()) -> list[str]:
     """SGLang flags for the config's sampling settings, or a refusal where SGLang cannot serve them.
 
     SGLang samples with its own tree-sampling verify kernel (lossless, the rule of the ``strict``
-    verifier) and the plugin keeps the policy adapting. A lossy verifier (``margin``) has no form
-    in that kernel: at ``generation.temperature > 0`` the combination is refused rather than
-    served as something else. With ``strict``, the settings become the server's default sampling
-    parameters (``--preferred-sampling-params``; each request may still set its own), unless the
-    extra arguments already pass that flag. A ``generation.response_format`` joins them as
-    SGLang's own constrained-decoding parameter (``json_schema``, ``regex`` or ``ebnf``: its
-    grammar backend, xgrammar by default, masks the tree): the default of requests that set none.
+    verifier) and the plugin keeps the policy adapting. A lossy verifier (``margin``: its class says
+    ``lossless = False``) has no form in that kernel: at ``generation.temperature > 0`` the
+    combination is refused rather than served as something else. With a lossless verifier, the
+    settings become the server's default sampling parameters (``--preferred-sampling-params``; each
+    request may still set its own), unless the extra arguments already pass that flag. A
+    ``generation.response_format`` joins them as SGLang's own constrained-decoding parameter
+    (``json_schema``, ``regex`` or ``ebnf``: its grammar backend, xgrammar by default, masks the
+    tree): the default of requests that set none.
     """
-    import json
-
-    from adaptivespec.config import load_config
-
-    config = load_config(config_path)
-    g = config.generation
-    if g.response_format is not None and "--preferred-sampling-params" not in extra_args:
-        from adaptivespec.constraints import sglang_sampling_params
-
-        fmt = sglang_sampling_params(g.response_format)
-    else:
-        fmt = {}
+    sc = served_config(config)
+    g = sc.config.generation
+    fmt = sglang_sampling_params(g.response_format) if g.response_format is not None and "--preferred-sampling-params" not in extra_args else {}
     if g.temperature == 0:
         return ["--preferred-sampling-params", json.dumps(fmt)] if fmt else []
-    if config.verifier.name != "strict":
+    if not sc.verifier_cls.lossless:
         raise AdaptiveSpecError(
-            f"{config_path}: verifier {config.verifier.name!r} at generation.temperature {g.temperature}: SGLang samples "
+            f"{sc.path}: verifier {sc.config.verifier.name!r} at generation.temperature {g.temperature}: SGLang samples "
             "with its own lossless tree-sampling kernel, where this rule has no form; serve it at temperature 0 or "
             "with verifier strict"
         )
@@ -246,7 +143,7 @@ def sampling_args(config_path: str | Path, extra_args: Sequence[str] = ()) -> li
 
 
 def build_command(
-    config_path: str | Path,
+    config: "str | Path | ServedConfig",
     target: str | None = None,
     drafter: str | None = None,
     host: str = "127.0.0.1",
@@ -254,6 +151,7 @@ def build_command(
     extra_args: Sequence[str] = (),
     *,
     overlap: bool = False,
+    metrics: bool = True,
     python: str | None = None,
     device: str | None = None,
 ) -> list[str]:
@@ -261,13 +159,16 @@ def build_command(
 
     ``overlap=False`` adds ``--disable-overlap-schedule``: the policy then sees each step's accept
     length before it picks the next shape, as in the paper (the shape choice reads the draft's
-    top-1 probability on the host every step anyway). ``extra_args`` go last, verbatim.
-    ``device``: ``cuda`` or ``cpu`` (default: :func:`detect_device`); on ``cpu`` the flags of
-    :func:`cpu_args` come before ``extra_args``.
+    top-1 probability on the host every step anyway). ``metrics`` adds ``--enable-metrics``
+    (SGLang's ``/metrics``, where the worker's ``adaptivespec_*`` series join SGLang's own; see
+    :mod:`adaptivespec.sglang.metrics`). ``extra_args`` go last, verbatim. ``device``: ``cuda`` or
+    ``cpu`` (default: :func:`~adaptivespec.sglang.platform.detect_device`); on ``cpu`` the flags of
+    :func:`~adaptivespec.sglang.platform.cpu_args` come before ``extra_args``.
     """
-    _, top = bank_shapes(config_path)
-    target, drafter = _model_paths(config_path, target, drafter)
-    sampling = sampling_args(config_path, extra_args)
+    sc = served_config(config)
+    _, top = bank_shapes(sc)
+    target, drafter = _model_paths(sc, target, drafter)
+    sampling = sampling_args(sc, extra_args)
     argv = [
         python or sys.executable, "-m", "sglang.launch_server",
         "--model-path", target,
@@ -281,26 +182,24 @@ def build_command(
     ]
     if not overlap:
         argv.append("--disable-overlap-schedule")
+    if metrics and "--enable-metrics" not in extra_args:
+        argv.append("--enable-metrics")
     if (device or detect_device()) == "cpu":
         argv += cpu_args(target, extra_args)
     return argv + sampling + list(extra_args)
 
 
-def load_profile(config_path: str | Path, value: str | None = None, *, device: str | None = None) -> Path | None:
+def load_profile(config: "str | Path | ServedConfig", value: str | None = None, *, device: str | None = None) -> Path | None:
     """The cost profile the served controller shrinks trees under load with (``serve
     --load-profile``): ``value`` a file or a shipped profile name, ``none`` for no load model, or
     ``auto``/None: the shipped :data:`SERVED_CPU_PROFILE` when serving the embedded target on a CPU
-    with an adaptive policy (``static`` stays static: it is the baseline), else none."""
-    from adaptivespec.config import load_config
-    from adaptivespec.costmodel import CostModel, resolve_profile
-    from adaptivespec.models import EMBEDDED
-
+    with a policy that adapts its shape (``adapts_shape``; ``static`` does not: it is the baseline), else none."""
     if value is not None and value.lower() == "none":
         return None
     if value is None or value.lower() == "auto":
-        config = load_config(config_path)
-        if ((device or detect_device()) != "cpu" or config.model.target != EMBEDDED or config.policy.name == "static"
-                or config.autoregressive):
+        sc = served_config(config)
+        if ((device or detect_device()) != "cpu" or sc.config.model.target != EMBEDDED or not sc.policy.adapts_shape
+                or sc.config.autoregressive):
             return None
         value = SERVED_CPU_PROFILE
     try:
@@ -311,14 +210,16 @@ def load_profile(config_path: str | Path, value: str | None = None, *, device: s
     return path.resolve()
 
 
-def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *, device: str | None = None,
+def build_env(config: "str | Path | ServedConfig", base: Mapping[str, str] | None = None, *, device: str | None = None,
               trace: str | Path | None = None, verify_budget: int | None = None,
-              load_profile: str | Path | None = None) -> dict[str, str]:
+              load_profile: str | Path | None = None, metrics: bool = True) -> dict[str, str]:
     """The server's environment: ``ADAPTIVESPEC_CONFIG`` (absolute), and our plugin added to
     ``SGLANG_PLUGINS`` when that whitelist is set (unset, SGLang loads every plugin); on a CPU
-    (``device``, default :func:`detect_device`) :func:`cpu_env`'s; ``trace``: the per-step trace
-    file (:data:`TRACE_ENV`); ``verify_budget`` and ``load_profile``: the load-aware controls
-    (:data:`VERIFY_BUDGET_ENV`, :data:`LOAD_PROFILE_ENV`; resolve the profile with :func:`load_profile`)."""
+    (``device``, default :func:`~adaptivespec.sglang.platform.detect_device`) the CPU engine's;
+    ``trace``: the per-step trace file (:data:`~adaptivespec.sglang.TRACE_ENV`); ``verify_budget`` and
+    ``load_profile``: the load-aware controls (resolve the profile with :func:`load_profile`);
+    ``metrics=False``: the worker writes no ``adaptivespec_*`` series."""
+    path = config.path if isinstance(config, ServedConfig) else Path(config)
     env = dict(os.environ if base is None else base)
     if (device or detect_device()) == "cpu":
         env = cpu_env(env)
@@ -328,53 +229,44 @@ def build_env(config_path: str | Path, base: Mapping[str, str] | None = None, *,
         env[VERIFY_BUDGET_ENV] = str(verify_budget)
     if load_profile is not None:
         env[LOAD_PROFILE_ENV] = str(Path(load_profile).resolve())
-    env[CONFIG_ENV] = str(Path(config_path).resolve())
+    if not metrics:
+        env[METRICS_ENV] = "0"
+    env[CONFIG_ENV] = str(path.resolve())
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:
         env["SGLANG_PLUGINS"] = ",".join([*allowed, PLUGIN_NAME])
     return env
 
 
-def preflight(device: str | None = None) -> None:
-    """Fail in one line unless the installed SGLang is there and has the API the plugin needs
-    (and, on a CPU, the CPU has AMX)."""
-    if (device or detect_device()) == "cpu" and not cpu_has_amx():
-        raise AdaptiveSpecError("no CUDA device and this CPU has no AMX (amx_bf16 in /proc/cpuinfo): SGLang's CPU "
-                                "backend runs speculative decoding only with AMX; serve on a CUDA machine")
-    if importlib.util.find_spec("sglang") is None:
-        raise AdaptiveSpecError(f"sglang is not installed; {INSTALL_HINT}")
-    problems = check_api()
-    if problems:
-        raise AdaptiveSpecError(
-            f"the installed sglang {installed_version() or '?'} lacks what the plugin (written for "
-            f"{SGLANG_VERSION}) needs: {'; '.join(problems)}"
-        )
-    version = installed_version()
-    if version != SGLANG_VERSION:
-        print(f"adaptivespec: warning: sglang {version} installed, the plugin is checked against {SGLANG_VERSION}", file=sys.stderr)
+def refuse_unservable(config: "str | Path | ServedConfig") -> ServedConfig:
+    """Raise for what SGLang cannot serve; print one notice for a policy served by its shape choice
+    only. Returns the config read."""
+    sc = served_config(config)
+    reason = unservable(sc)
+    if reason:
+        raise AdaptiveSpecError(f"cannot serve {reason}")
+    notice = step_level_notice(sc.policy)
+    if notice:
+        print(f"adaptivespec serve: note: {notice}", file=sys.stderr)
+    return sc
+
+
+def command_and_env(args: argparse.Namespace, base: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of ``serve``'s arguments, the config read once."""
+    sc = refuse_unservable(args.config)
+    metrics = not getattr(args, "no_metrics", False)
+    argv = build_command(sc, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap,
+                         metrics=metrics)
+    env = build_env(sc, base, trace=args.trace, verify_budget=args.verify_budget,
+                    load_profile=load_profile(sc, args.load_profile), metrics=metrics)
+    return argv, env
 
 
 def serve(args: argparse.Namespace) -> None:
     """Replace this process with the SGLang server (returns only by raising)."""
-    refuse_unservable(args.config)
-    argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-    env = build_env(args.config, trace=args.trace, verify_budget=args.verify_budget,
-                    load_profile=load_profile(args.config, args.load_profile))
+    argv, env = command_and_env(args)
     preflight()
     os.execvpe(argv[0], argv, env)
-
-
-def refuse_unservable(config_path: str | Path) -> None:
-    """Raise for what SGLang cannot serve; print one notice for a policy served by its shape choice only."""
-    reason = unservable(config_path)
-    if reason:
-        raise AdaptiveSpecError(f"cannot serve {reason}")
-    from adaptivespec.config import load_config
-    from adaptivespec.sglang.policy_bridge import step_level_notice
-
-    notice = step_level_notice(build_strategies(load_config(config_path))[0])
-    if notice:
-        print(f"adaptivespec serve: note: {notice}", file=sys.stderr)
 
 
 # -- CLI ------------------------------------------------------------------------------------------
@@ -398,6 +290,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "batch > 1 the controller runs the bank shape expected to give the most tokens/s; 'none' turns "
                         f"it off; default 'auto': {SERVED_CPU_PROFILE} for adaptive policies on the embedded pair on a "
                         "CPU, else none")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="no /metrics: leave out SGLang's --enable-metrics (on by default) and the adaptivespec_* series")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
@@ -407,7 +301,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One shell line: the plugin's environment variables, then the command."""
-    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, LOAD_PROFILE_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, LOAD_PROFILE_ENV, METRICS_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
     shown = [f"{k}={shlex.quote(env[k])}" for k in keys if k in env]
     return " ".join(shown + [shlex.join(argv)])
 
@@ -416,10 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.sglang_args and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
     if args.print_command:
-        refuse_unservable(args.config)
-        argv = build_command(args.config, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap)
-        env = build_env(args.config, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"}, trace=args.trace,
-                        verify_budget=args.verify_budget, load_profile=load_profile(args.config, args.load_profile))
+        argv, env = command_and_env(args, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"})
         print(format_command(argv, env))
         return 0
     serve(args)

@@ -25,7 +25,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from adaptivespec.constraints import openai_response_format, sglang_sampling_params
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.sglang import CONFIG_ENV, serve
+from adaptivespec.sglang.platform import cpu_args, cpu_env, detect_device
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_MODES = ("sglang", "sglang-eagle3", "sglang-ngram")
@@ -46,12 +49,10 @@ def served_command(config: str | Path, port: int, *, trace: str | Path | None = 
                    verify_budget: int | None = None, load_profile: str | None = None) -> tuple[list[str], dict[str, str]]:
     """argv and environment of ``adaptivespec serve --config CONFIG`` (what the CLI would exec);
     ``load_profile`` as ``serve --load-profile`` (None: ``auto``)."""
-    from adaptivespec.sglang import serve
-
-    serve.refuse_unservable(config)
-    argv = serve.build_command(config, port=port, extra_args=list(extra_args), device=device)
-    env = serve.build_env(config, device=device, trace=trace, verify_budget=verify_budget,
-                          load_profile=serve.load_profile(config, load_profile, device=device))
+    sc = serve.refuse_unservable(config)
+    argv = serve.build_command(sc, port=port, extra_args=list(extra_args), device=device)
+    env = serve.build_env(sc, device=device, trace=trace, verify_budget=verify_budget,
+                          load_profile=serve.load_profile(sc, load_profile, device=device))
     return argv, env
 
 
@@ -59,13 +60,11 @@ def peer_command(mode: str, port: int, *, config: str | Path | None = None, extr
                  device: str | None = None) -> tuple[list[str], dict[str, str]]:
     """argv and environment of SGLang's own ``mode`` (:data:`PEER_MODES`) on the embedded pair (or
     ``config``'s model), with the plugin inactive (``ADAPTIVESPEC_CONFIG`` removed)."""
-    from adaptivespec.sglang import CONFIG_ENV, serve
-
     if mode not in PEER_MODES:
         raise AdaptiveSpecError(f"--peers: unknown SGLang peer {mode!r}; expected one of: {', '.join(PEER_MODES)}")
     eagle3 = Path(config) if config is not None else ROOT / "configs" / "eagle3.yaml"
     target, drafter = serve._model_paths(ROOT / "configs" / "eagle3.yaml" if config is None else config, None, None)
-    device = device or serve.detect_device()
+    device = device or detect_device()
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", target,
             "--host", "127.0.0.1", "--port", str(port), "--disable-overlap-schedule"]
     if mode == "sglang-eagle3":
@@ -76,8 +75,8 @@ def peer_command(mode: str, port: int, *, config: str | Path | None = None, extr
     elif mode == "sglang-ngram":
         argv += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(NGRAM_DRAFT_TOKENS)]
     if device == "cpu":
-        argv += serve.cpu_args(target, extra_args)
-    env = serve.cpu_env() if device == "cpu" else dict(os.environ)
+        argv += cpu_args(target, extra_args)
+    env = cpu_env() if device == "cpu" else dict(os.environ)
     env.pop(CONFIG_ENV, None)
     return argv + list(extra_args), env
 
@@ -236,8 +235,6 @@ def chat_request(messages: Sequence[dict[str, Any]], max_tokens: int, *, respons
     API lacks, go as SGLang's extra request fields of the same names."""
     body: dict[str, Any] = {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0.0, **extra}
     if response_format is not None:
-        from adaptivespec.constraints import openai_response_format, sglang_sampling_params
-
         if response_format.type in ("json_schema", "json_object"):
             body["response_format"] = openai_response_format(response_format)
         else:

@@ -1,0 +1,82 @@
+"""The load model: which bank shape gives a batch the most tokens per second, from a cost model of the
+served step (``serve --load-profile``) and the accept lengths seen so far. No sglang import."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from adaptivespec.costmodel import CostModel
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.sglang import LOAD_PROFILE_ENV
+from adaptivespec.types import TreeShape
+
+
+class LoadModel:
+    """Load-aware trees: the shape that gives a batch the most tokens per second, from a cost model
+    of the *served* step and the accept lengths seen so far.
+
+    A step of ``bs`` requests at shape ``s`` is priced by the cost model as
+    ``step_ms(verified=bs * s.ndt, levels=s.nsteps, nodes=bs * s.nsteps * s.topk)`` and yields
+    ``bs * (1 + accepted(s))`` tokens, ``accepted(s)`` the exponential moving average of the
+    drafted tokens accepted per request at that shape (unseen shapes: the average over all shapes,
+    at most ``s.nsteps``). :meth:`choose` keeps the policy's shape unless a smaller bank shape
+    (``ndt`` no larger) is expected to give more tokens per second: as the batch grows, every
+    verified row costs more of the step and the tree shrinks, down to the bank's one-drafted-token
+    floor. At batch size 1 the policy's shape always runs (the paper's setting).
+
+    The cost model is fitted from a served trace (``serve --trace`` records each step's time):
+    ``python -m adaptivespec.analysis.served_cost``; the embedded pair's CPU profile ships as
+    ``sglang-cpu-smollm2-135m-bf16.json``.
+    """
+
+    def __init__(self, cost: CostModel, *, decay: float = 0.9) -> None:
+        if not 0.0 < decay < 1.0:
+            raise AdaptiveSpecError(f"load model decay: expected a number in (0, 1), got {decay!r}")
+        self.cost, self.decay = cost, decay
+        self._accepted: dict[TreeShape, float] = {}
+        self._overall: float | None = None
+
+    def observe(self, shape: TreeShape, accepted: float) -> None:
+        """A step ran at ``shape`` and accepted ``accepted`` drafted tokens per request (batch mean)."""
+        d = self.decay
+        prev = self._accepted.get(shape)
+        self._accepted[shape] = accepted if prev is None else d * prev + (1 - d) * accepted
+        self._overall = accepted if self._overall is None else d * self._overall + (1 - d) * accepted
+
+    def accepted(self, shape: TreeShape) -> float:
+        if shape in self._accepted:
+            return self._accepted[shape]
+        return min(float(shape.nsteps), self._overall if self._overall is not None else 1.0)
+
+    def step_ms(self, shape: TreeShape, batch_size: int) -> float:
+        return self.cost.step_ms(verified=batch_size * shape.ndt, levels=shape.nsteps,
+                                 nodes=batch_size * shape.nsteps * shape.topk, context=0.0)
+
+    def tokens_per_s(self, shape: TreeShape, batch_size: int) -> float:
+        return 1e3 * batch_size * (1.0 + self.accepted(shape)) / self.step_ms(shape, batch_size)
+
+    def choose(self, shape: TreeShape, batch_size: int, shapes: Iterable[TreeShape]) -> TreeShape:
+        """The shape to run for ``batch_size`` requests when the policy chose ``shape``."""
+        if batch_size <= 1:
+            return shape
+        best, best_rate = shape, self.tokens_per_s(shape, batch_size)
+        for s in shapes:
+            if s.ndt < shape.ndt:
+                rate = self.tokens_per_s(s, batch_size)
+                if rate > best_rate:
+                    best, best_rate = s, rate
+        return best
+
+
+def load_model_from_env() -> LoadModel | None:
+    """``ADAPTIVESPEC_SGLANG_LOAD_PROFILE`` (``serve --load-profile``): the served step's cost
+    profile; the controller then shrinks the tree as the batch grows (:class:`LoadModel`). Unset:
+    no load model."""
+    path = os.environ.get(LOAD_PROFILE_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        return LoadModel(CostModel.load(path))
+    except ValueError as exc:
+        raise AdaptiveSpecError(f"{LOAD_PROFILE_ENV}: {exc}") from None

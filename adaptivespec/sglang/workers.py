@@ -1,0 +1,232 @@
+"""The EAGLE worker subclasses that run each decode step at the shape an adaptivespec policy picks.
+
+This module imports SGLang at the top: the plugin imports it only inside SGLang's processes, when it
+installs itself (:func:`adaptivespec.sglang.plugin.register`), so importing adaptivespec never does.
+The worker reads the config ``ADAPTIVESPEC_CONFIG`` names, asks a
+:class:`~adaptivespec.sglang.controller.TripletController` for each step's shape, keeps a
+:class:`~adaptivespec.sglang.state_bank.ShapeStateBank` of captured states, and records each
+verified step (trace file, ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from typing import Any
+
+from sglang.srt.runtime_context import get_context, get_parallel, get_spec
+from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+from adaptivespec.config import load_config
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.plugins import get_plugin_host
+from adaptivespec.sglang import CONFIG_ENV
+from adaptivespec.sglang.controller import TripletController, build_strategies, step_level_notice, verify_budget_from_env
+from adaptivespec.sglang.load_model import load_model_from_env
+from adaptivespec.sglang.metrics import SpecMetrics
+from adaptivespec.sglang.platform import unsupported_reason
+from adaptivespec.sglang.shapes import format_shapes
+from adaptivespec.sglang.state_bank import KV_RESERVE, ShapeStateBank
+from adaptivespec.sglang.trace import StepTrace
+from adaptivespec.sglang.verification import VERIFYING
+from adaptivespec.types import TreeShape
+
+logger = logging.getLogger("adaptivespec.sglang")
+
+ew = importlib.import_module("sglang.srt.speculative.eagle_worker_v2")
+"""SGLang's EAGLE worker module (the subclasses' bases, its context managers)."""
+
+
+@contextlib.contextmanager
+def _topk_as(worker: Any, topk: int):
+    """Temporarily set ``worker.topk`` (0: leave it)."""
+    saved = worker.topk
+    if topk:
+        worker.topk = topk
+    try:
+        yield
+    finally:
+        worker.topk = saved
+
+
+def _is_cpu_device(device: Any) -> bool:
+    return str(device).split(":")[0] == "cpu"
+
+
+class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
+    """Draft worker whose draft-extend hands the next step the bank's widest first level.
+
+    The next step's shape is not known when draft-extend runs, so it keeps ``max topk``
+    candidates with their probabilities (above 1 this also bypasses SGLang's topk=1 argmax path,
+    which reports probability 1.0); the worker slices them to the chosen ``topk``.
+    """
+
+    adaptivespec_topk = 0  # the bank's largest topk when > 1; 0 keeps SGLang's behaviour
+
+    def _draft_extend_for_decode(self, *args, **kwargs):
+        with _topk_as(self, self.adaptivespec_topk):
+            return super()._draft_extend_for_decode(*args, **kwargs)
+
+    def _draft_extend_for_prefill(self, *args, **kwargs):
+        with _topk_as(self, self.adaptivespec_topk):
+            return super()._draft_extend_for_prefill(*args, **kwargs)
+
+    def _rebuild_topk1_chain_buffers(self):
+        # While a topk=1 shape is captured, SGLang's capture context restores the start-up
+        # (nsteps, ndt) before .topk is restored; skip that inconsistent rebuild:
+        # apply_runtime_state rebuilds the buffers whenever a topk=1 state becomes active.
+        if self.topk != 1 or self.speculative_num_draft_tokens == self.speculative_num_steps + 1:
+            super()._rebuild_topk1_chain_buffers()
+
+
+class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
+    """EAGLEWorkerV2 running each decode step at the ``(nsteps, topk, ndt)`` a policy picks."""
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        spec, parallel = get_spec(), get_parallel()
+        reason = unsupported_reason(
+            adaptive=bool(spec.speculative_adaptive),
+            rejection_sampling=bool(spec.speculative_use_rejection_sampling),
+            tp_size=parallel.tp_size,
+            pp_size=parallel.pp_size,
+        )
+        if reason:
+            raise AdaptiveSpecError(f"adaptivespec SGLang plugin: {reason}")
+        host = get_plugin_host()
+        config = load_config(os.environ[CONFIG_ENV])
+        policy, self.adaptivespec_verifier = build_strategies(config, host)
+        observe = host.has_observers("adaptivespec_step")
+        trace = StepTrace.from_env()
+        self.adaptivespec = TripletController(
+            policy, on_record=(lambda r: host.pm.hook.adaptivespec_step(record=r)) if observe else None,
+            on_trace=trace.write if trace is not None else None,
+            verify_budget=verify_budget_from_env(),
+            load=load_model_from_env(),
+            metrics=SpecMetrics.from_env(),
+        )
+        notice = step_level_notice(policy)
+        if notice:
+            logger.warning("adaptivespec: %s", notice)
+        bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
+        self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
+        top = bank.max_shape()
+        if self.adaptivespec_shape != top:
+            raise AdaptiveSpecError(
+                f"adaptivespec SGLang plugin: the server started at {self.adaptivespec_shape}, but the "
+                f"shapes of policy {policy.name!r} ({format_shapes(bank.shapes)}) need their largest, "
+                f"{top}: --speculative-num-steps {top.nsteps} --speculative-eagle-topk {top.topk} "
+                f"--speculative-num-draft-tokens {top.ndt} (adaptivespec serve passes these)"
+            )
+        KV_RESERVE["len"] = bank.kv_alloc_len_per_decode(self.page_size)
+        if self._draft_worker is not None:
+            self._draft_worker.adaptivespec_topk = bank.max_topk() if bank.max_topk() > 1 else 0
+        if bank.max_topk() == 1:
+            logger.warning("adaptivespec: every shape has topk=1; SGLang then reports draft probability 1.0")
+
+    def init_cuda_graphs(self):
+        super().init_cuda_graphs()  # the start-up (largest) shape
+        if self._draft_worker is None:
+            return
+        bank = self.adaptivespec_bank
+        if self.adaptivespec_shape in bank.shapes:
+            bank.register(self.adaptivespec_shape, self._adaptivespec_live_state())
+        bank.build_missing(self._adaptivespec_capture)
+        logger.info("adaptivespec: captured tree shapes %s", format_shapes(bank.keys()))
+
+    def _adaptivespec_live_state(self):
+        dw, runner = self._draft_worker, self._target_worker.model_runner
+        return SpecRuntimeState(
+            speculative_num_steps=self.speculative_num_steps,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            draft_attn_backend=dw.draft_attn_backend,
+            cuda_graph_runner=dw.cuda_graph_runner,
+            target_attn_backend=runner.attn_backend,
+            target_graph_runner=runner.decode_cuda_graph_runner,
+            draft_extend_attn_backend=dw.draft_extend_attn_backend,
+            cuda_graph_runner_for_draft_extend=dw.cuda_graph_runner_for_draft_extend,
+        )
+
+    def _adaptivespec_capture(self, shape: TreeShape):
+        """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it (on a
+        CPU: an eager state, :meth:`_adaptivespec_eager_state`)."""
+        dw, saved = self._draft_worker, self.topk
+        self.topk = dw.topk = shape.topk
+        get_context().override("adaptivespec.capture", speculative_eagle_topk=shape.topk)
+        try:
+            with (
+                ew.draft_tp_context(dw.parallel_layout),
+                ew.speculative_moe_backend_context(),
+                ew.speculative_moe_a2a_backend_context(),
+            ):
+                if _is_cpu_device(getattr(self, "device", None)):
+                    return self._adaptivespec_eager_state(shape)
+                return self.build_adaptive_runtime_state(shape.nsteps, shape.ndt, cuda_graph_bs=None)
+        finally:
+            self.topk = dw.topk = saved
+            get_context().override("adaptivespec.capture_restore", speculative_eagle_topk=saved)
+
+    def _adaptivespec_eager_state(self, shape: TreeShape):
+        """``shape``'s state without graphs: SGLang's CPU attention backend (Intel AMX) has no
+        CUDA-graph state, so ``build_adaptive_runtime_state`` cannot capture one. The draft
+        backends (one per draft step) and the target's verify backend are built for the shape,
+        as that builder does before capturing; every forward then runs eagerly."""
+        dw = self._draft_worker
+        with self._override_worker_state(shape.nsteps, shape.ndt):
+            dw.init_attention_backend()
+            runner = self._target_worker.model_runner
+            backup = runner.init_new_workspace
+            try:
+                target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
+            finally:
+                runner.init_new_workspace = backup
+            return SpecRuntimeState(
+                speculative_num_steps=shape.nsteps,
+                speculative_num_draft_tokens=shape.ndt,
+                draft_attn_backend=dw.draft_attn_backend,
+                cuda_graph_runner=None,
+                target_attn_backend=target_attn_backend,
+                target_graph_runner=None,
+                draft_extend_attn_backend=dw.draft_extend_attn_backend,
+                cuda_graph_runner_for_draft_extend=None,
+            )
+
+    def _adaptivespec_activate(self, shape: TreeShape) -> None:
+        if shape == self.adaptivespec_shape:
+            return
+        state = self.adaptivespec_bank.get(shape)  # raises, naming the captured shapes
+        self.topk = self._draft_worker.topk = shape.topk  # before apply: it rebuilds topk=1 buffers
+        if self.speculative_num_steps == shape.nsteps:
+            self.speculative_num_steps = -1  # apply_runtime_state skips a state of the active depth
+        self.apply_runtime_state(state)
+        get_context().override("adaptivespec.apply", speculative_eagle_topk=shape.topk)
+        self.adaptivespec_shape = shape
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        spec = batch.spec_info
+        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        if decode and self._draft_worker is not None and getattr(spec, "topk_p", None) is not None:
+            shape = self.adaptivespec.begin_step(spec.topk_p, [req.rid for req in batch.reqs])
+            if shape is not None:
+                if spec.topk_p.shape[1] < shape.topk:
+                    raise AdaptiveSpecError(
+                        f"adaptivespec: the draft input carries top-{spec.topk_p.shape[1]}, {shape} needs {shape.topk}"
+                    )
+                self._adaptivespec_activate(shape)
+                spec.topk_p = spec.topk_p[:, : shape.topk].contiguous()
+                spec.topk_index = spec.topk_index[:, : shape.topk].contiguous()
+        return super().forward_batch_generation(batch, *args, **kwargs)
+
+    def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
+        token = VERIFYING.set(self) if self.adaptivespec_verifier is not None else None
+        try:
+            return super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
+        finally:
+            if token is not None:
+                VERIFYING.reset(token)
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        self.adaptivespec.observe(num_correct_drafts_per_req)
