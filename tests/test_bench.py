@@ -12,10 +12,13 @@ import torch
 from adaptivespec.cli import main
 from adaptivespec.config import ConfigError, load_config
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.evaluation import bench
-from adaptivespec.evaluation.bench import BenchSpec, Entry, RECORD_FIELDS, summarize
+from adaptivespec.evaluation import bench, plots, report
+from adaptivespec.evaluation.contenders import warmup_problems
 from adaptivespec.evaluation.datasets import load_dataset
-from adaptivespec.evaluation.plots import pareto, pareto_front, speedup_retention
+from adaptivespec.evaluation.plots import pareto_front
+from adaptivespec.evaluation.records import RECORD_FIELDS, RunRecord
+from adaptivespec.evaluation.spec import BenchSpec, Entry, config_lossless
+from adaptivespec.evaluation.summary import contender_infos, pick_reference
 from adaptivespec.evaluation.sweep import parse_param, reference_entry, sweep_entries
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -31,6 +34,11 @@ def small(head, out, tokens: int = 6) -> list[str]:
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def summarize(spec: BenchSpec, problems, recs: list[dict]) -> dict:
+    """The results document of ``recs``, records as ``records.jsonl`` holds them."""
+    return report.summarize(spec, problems, [RunRecord.from_json(r) for r in recs])
 
 
 def assert_png(path: Path) -> None:
@@ -188,7 +196,7 @@ def test_sweep_grid_skips_invalid_shapes_only_when_asked():
 def test_default_reference_is_the_strict_variant():
     ref = reference_entry(LOSSY, None, ["verifier.kappa=0.3", "runtime.dtype=float32"])
     assert ref.name == "adaptivespec-lossy-strict" and ref.config.verifier.name == "strict"
-    assert ref.config.runtime.dtype == "float32" and bench.config_lossless(ref.config)
+    assert ref.config.runtime.dtype == "float32" and config_lossless(ref.config)
 
 
 # -- aggregation and plots on synthetic records (no model) -------------------------------------------------
@@ -226,7 +234,7 @@ def test_summarize_speedups_and_retention(tmp_path):
     assert rows["eagle3"]["accepted_per_step"] == {"steps": 8, "mean": 1.5, "histogram": {"1": 4, "2": 4}}
     assert rows["ar"]["accept_length_mean"] == pytest.approx(400 / 200)
     assert all(r["complete"] for r in rows.values())
-    assert bench.pick_reference(res["configs"], forced="ar") == "ar"
+    assert pick_reference(contender_infos(spec), forced="ar") == "ar"
 
 
 def test_decode_rate_leaves_the_prefill_out(tmp_path):
@@ -242,7 +250,7 @@ def test_decode_rate_leaves_the_prefill_out(tmp_path):
     assert rows["eagle3"]["speedup_vs_ar"] == pytest.approx(2.0)
     assert rows["hf-generate"]["decode_tokens_per_second"] is None
     # per category too, and the category table shows the decode speedup where there is one
-    assert "decode speedup vs AR" not in bench.markdown(res)  # gsm8k has no categories
+    assert "decode speedup vs AR" not in report.markdown(res)  # gsm8k has no categories
     from adaptivespec.evaluation import categories
 
     md = categories.markdown({"ar": "ar", "configs": res["configs"], "categories": {"all": {"prompts": 4, "configs": res["configs"]}}})
@@ -259,7 +267,7 @@ def test_answer_agreement_against_the_reference(tmp_path):
     partial = [r for r in recs if not (r["config"] == "lossy[k=0.2]" and r["index"] != 3)]
     row = {r["name"]: r for r in summarize(spec, problems, partial)["configs"]}["lossy[k=0.2]"]
     assert (row["answers_compared"], row["answers_equal"], row["answer_agreement"]) == (1, 0, 0.0)
-    md = bench.markdown(summarize(spec, problems, recs))
+    md = report.markdown(summarize(spec, problems, recs))
     assert "50.0% (2/4)" in md
 
 
@@ -321,5 +329,5 @@ def test_warmup_takes_the_first_and_the_longest_prompt():
     problems = load_dataset("longctx")[:6]
     longest = max(problems, key=lambda p: len(p.prompt))
     assert longest is not problems[0]
-    assert bench.warmup_problems(problems) == [problems[0], longest]
-    assert bench.warmup_problems([longest]) == [longest] and bench.warmup_problems([]) == []
+    assert warmup_problems(problems) == [problems[0], longest]
+    assert warmup_problems([longest]) == [longest] and warmup_problems([]) == []

@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from adaptivespec.config import Config
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.contenders import generate_untimed
+from adaptivespec.evaluation.datasets import Problem
+from adaptivespec.evaluation.spec import config_lossless, sampling_seed
 
 SGLANG_PEERS = {
     "sglang": "SGLang's plain decoding (its Intel AMX kernels on a CPU)",
@@ -34,13 +37,11 @@ BENCH_KV_TOKENS = 16384
 
 
 class SGLangContender:
-    """One SGLang server in a bench run: a peer mode or a config served through the plugin."""
+    """One SGLang server in a bench run: a peer mode or a config served through the plugin; a
+    :class:`~adaptivespec.evaluation.contenders.Contender`."""
 
     lossless = True
     autoregressive = False
-    warm_every_prompt = True
-    """The bench warms it up on every prompt: SGLang's CPU backend compiles kernels per new prompt
-    length and batch size on first use (stalls of 90-200 s were seen inside timed runs)."""
 
     def __init__(self, name: str, config: Config, *, peer: str | None = None, config_path: str | None = None,
                  server_factory: Callable | None = None) -> None:
@@ -60,8 +61,6 @@ class SGLangContender:
                 raise AdaptiveSpecError(f"{name}: --backend sglang serves config files; this config has no file")
             self._trace = logdir / "steps.jsonl"
             argv, env = served_command(config_path, port, trace=self._trace, extra_args=extra)
-            from adaptivespec.evaluation.bench import config_lossless
-
             self.lossless = config_lossless(config)
         self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log", timeout=600)
         self.server.start()  # paused after its first generation: not while other servers start up
@@ -85,9 +84,14 @@ class SGLangContender:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
 
     def seed_for(self, index: int) -> int | None:
-        from adaptivespec.evaluation.bench import sampling_seed
-
         return sampling_seed(self.config, index)
+
+    def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
+        """Warm up on every prompt, then flush the prefix cache: SGLang's CPU backend compiles kernels
+        per new prompt length and batch size on first use (stalls of 90-200 s were seen inside timed
+        runs). SGLang compiles grammars itself."""
+        generate_untimed(self, problems, max_new_tokens)
+        self.forget()
 
     def forget(self) -> None:
         self._resume()
