@@ -271,14 +271,47 @@ def test_answer_agreement_against_the_reference(tmp_path):
     assert "50.0% (2/4)" in md
 
 
-def test_plots_on_synthetic_results(tmp_path):
+def test_speedup_retention_plot_places_every_contender(tmp_path):
     spec, problems, recs = synthetic(tmp_path)
-    res = summarize(spec, problems, recs)
-    speedup_retention(res, tmp_path / "s.png")
-    pareto(res, tmp_path / "p.png")
-    bench.write_outputs(res, tmp_path, ("verifier.kappa",))
-    for name in ("s.png", "p.png", "speedup_retention.png", "accept_lengths.png", "pareto.png"):
+    ax = plots.speedup_retention(summarize(spec, problems, recs)).axes[0]
+    # one point per contender at (retention vs eagle3 in %, tokens/s over ar's), labelled with its name
+    assert [t.get_text() for t in ax.texts] == ["ar", "eagle3", "lossy[k=0.2]", "lossy[k=0.5]", "hf-generate"]
+    points = [tuple(c.get_offsets()[0]) for c in ax.collections]
+    assert points == [pytest.approx(p) for p in ((100, 1.0), (100, 2.0), (50, 3.0), (75, 2.5), (100, 1.1))]
+    assert ax.get_xlabel() == "accuracy retention vs eagle3 (%)" and ax.get_ylabel() == "speedup vs ar (tokens/s ratio)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lossless", "lossy", "peer"]
+    # without retention (an ungraded set): bars, one per contender
+    ungraded = [dict(r, correct=None) for r in recs]
+    ax = plots.speedup_retention(summarize(spec, problems, ungraded)).axes[0]
+    assert [b.get_height() for b in ax.containers[0]] == pytest.approx([1.0, 2.0, 3.0, 2.5, 1.1])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ar", "eagle3", "lossy[k=0.2]", "lossy[k=0.5]", "hf-generate"]
+
+
+def test_accept_length_plot_has_a_bar_group_per_speculative_config(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    ax = plots.accept_lengths(summarize(spec, problems, recs)).axes[0]
+    heights = [[b.get_height() for b in c] for c in ax.containers]  # share of steps accepting k = 0..3
+    assert heights == [pytest.approx(h) for h in ([0, 0.5, 0.5, 0], [0, 0, 0, 1], [0, 0, 0.5, 0.5])]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "eagle3 (mean 1.50, 8 steps)", "lossy[k=0.2] (mean 3.00, 8 steps)", "lossy[k=0.5] (mean 2.50, 8 steps)"]
+    assert ax.get_xlabel().endswith("(no steps: ar, hf-generate)")
+
+
+def test_pareto_plot_draws_the_frontier_through_the_reference(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    ax = plots.pareto(summarize(spec, problems, recs)).axes[0]
+    front = next(line for line in ax.lines if line.get_label() == "Pareto frontier")
+    assert list(front.get_xdata()) == pytest.approx([50, 75, 100]) and list(front.get_ydata()) == pytest.approx([30, 25, 20])
+    assert [t.get_text() for t in ax.texts] == ["0.2", "0.5"]
+    assert "reference eagle3" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_write_outputs_writes_every_plot(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    report.write_outputs(summarize(spec, problems, recs), tmp_path, ("verifier.kappa",))
+    for name in ("speedup_retention.png", "accept_lengths.png", "pareto.png"):
         assert_png(tmp_path / name)
+    assert not (tmp_path / "category_speedup.png").exists()  # gsm8k has no categories
     assert "| verifier.kappa |" in (tmp_path / "results.md").read_text().splitlines()[6]
 
 

@@ -10,7 +10,7 @@ import pytest
 from adaptivespec.cli import main
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.evaluation import bench, categories, report
+from adaptivespec.evaluation import bench, categories, plots, report
 from adaptivespec.evaluation.records import RunRecord
 from adaptivespec.evaluation.spec import BenchSpec, Entry
 from adaptivespec.evaluation.categories import category_of, select
@@ -143,6 +143,11 @@ def test_category_outputs_written(tmp_path):
     res = summarize(spec, probs, recs)
     report.write_outputs(res, tmp_path)
     assert (tmp_path / "category_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = plots.category_speedups(res).axes[0]  # a bar per contender and category it ran, vs ar
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["eagle3", "lossy"]
+    assert [[b.get_height() for b in c] for c in ax.containers] == [pytest.approx([2.0, 0.8, 1.5]), pytest.approx([3.0, 1.2])]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["translation\n(4)", "qa\n(2)", "rag\n(1)"]
+    assert ax.get_ylabel() == "speedup vs ar (tokens/s ratio)"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert set(saved["categories"]) == {"translation", "qa", "rag"}
 
