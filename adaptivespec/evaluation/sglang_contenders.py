@@ -21,11 +21,17 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import yaml
+from transformers import AutoTokenizer
+
 from adaptivespec.config import Config
+from adaptivespec.constraints import sglang_sampling_params
+from adaptivespec.decode import GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.contenders import generate_untimed
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.spec import config_lossless, sampling_seed
+from adaptivespec.models import EMBEDDED, embedded_folder, encode_prompt
 
 SGLANG_PEERS = {
     "sglang": "SGLang's plain decoding (its Intel AMX kernels on a CPU)",
@@ -70,17 +76,11 @@ class SGLangContender:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from adaptivespec.models import EMBEDDED, embedded_folder
-
             target = self.config.model.target
             self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
-        from adaptivespec.models import encode_prompt
-
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
 
     def seed_for(self, index: int) -> int | None:
@@ -117,8 +117,6 @@ class SGLangContender:
                      response_format=None):
         """``response_format`` (default: the config's) goes to SGLang as its own constrained
         decoding's sampling parameter (``json_schema``, ``regex`` or ``ebnf``)."""
-        from adaptivespec.decode import GenerationResult
-
         g = self.config.generation
         sampling: dict[str, Any] = {}
         if g.temperature > 0:
@@ -128,8 +126,6 @@ class SGLangContender:
             sampling["ignore_eos"] = True
         fmt = response_format if response_format is not None else g.response_format
         if fmt is not None:
-            from adaptivespec.constraints import sglang_sampling_params
-
             sampling.update(sglang_sampling_params(fmt))
         self._resume()
         try:
@@ -181,8 +177,6 @@ class _TraceStep:
 
 def served_config_file(config: Config, name: str) -> str:
     """A YAML file of ``config`` as loaded (``--set`` overrides applied), for ``adaptivespec serve``."""
-    import yaml
-
     folder = Path(tempfile.mkdtemp(prefix=f"adaptivespec-served-{name}-"))
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(json.loads(json.dumps(config.to_dict(), default=str)), sort_keys=False))
