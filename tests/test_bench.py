@@ -121,6 +121,17 @@ def test_bench_interleaves_rotating_order(bench_run):
 
 
 @pytest.mark.model
+def test_bench_records_keep_their_keys_in_order(bench_run):
+    """records.jsonl is read by other tools: each contender's line has the keys the bench always wrote."""
+    lines = {r["config"]: list(r) for r in records(bench_run) if r["index"] == 0}
+    head, tail = ["config", "id", "index"], ["correct", "extracted", "grade_reason", "accepted", "text", "finished_at"]
+    stats = ["new_tokens", "target_forwards", "accept_length_mean", "wall_seconds", "tokens_per_second"]
+    assert lines["ar"] == [*head, *stats, "prefill_seconds", "promoted_tokens", *tail]
+    assert lines["eagle3"] == [*head, *stats, "prefill_seconds", "promoted_tokens", "accepted_by_source", *tail]
+    assert lines["hf-generate"] == [*head, *stats, "promoted_tokens", *tail]
+
+
+@pytest.mark.model
 def test_bench_plots_are_pngs(bench_run):
     assert_png(bench_run / "speedup_retention.png")
     assert_png(bench_run / "accept_lengths.png")
