@@ -12,10 +12,13 @@ import torch
 from adaptivespec.cli import main
 from adaptivespec.config import ConfigError, load_config
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.evaluation import bench
-from adaptivespec.evaluation.bench import BenchSpec, Entry, RECORD_FIELDS, summarize
+from adaptivespec.evaluation import bench, plots, report
+from adaptivespec.evaluation.contenders import warmup_problems
 from adaptivespec.evaluation.datasets import load_dataset
-from adaptivespec.evaluation.plots import pareto, pareto_front, speedup_retention
+from adaptivespec.evaluation.plots import pareto_front
+from adaptivespec.evaluation.records import RECORD_FIELDS, RunRecord
+from adaptivespec.evaluation.spec import BenchSpec, Entry, config_lossless
+from adaptivespec.evaluation.summary import contender_infos, pick_reference
 from adaptivespec.evaluation.sweep import parse_param, reference_entry, sweep_entries
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -31,6 +34,11 @@ def small(head, out, tokens: int = 6) -> list[str]:
 
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def summarize(spec: BenchSpec, problems, recs: list[dict]) -> dict:
+    """The results document of ``recs``, records as ``records.jsonl`` holds them."""
+    return report.summarize(spec, problems, [RunRecord.from_json(r) for r in recs])
 
 
 def assert_png(path: Path) -> None:
@@ -113,6 +121,17 @@ def test_bench_interleaves_rotating_order(bench_run):
 
 
 @pytest.mark.model
+def test_bench_records_keep_their_keys_in_order(bench_run):
+    """records.jsonl is read by other tools: each contender's line has the keys the bench always wrote."""
+    lines = {r["config"]: list(r) for r in records(bench_run) if r["index"] == 0}
+    head, tail = ["config", "id", "index"], ["correct", "extracted", "grade_reason", "accepted", "text", "finished_at"]
+    stats = ["new_tokens", "target_forwards", "accept_length_mean", "wall_seconds", "tokens_per_second"]
+    assert lines["ar"] == [*head, *stats, "prefill_seconds", "promoted_tokens", *tail]
+    assert lines["eagle3"] == [*head, *stats, "prefill_seconds", "promoted_tokens", "accepted_by_source", *tail]
+    assert lines["hf-generate"] == [*head, *stats, "promoted_tokens", *tail]
+
+
+@pytest.mark.model
 def test_bench_plots_are_pngs(bench_run):
     assert_png(bench_run / "speedup_retention.png")
     assert_png(bench_run / "accept_lengths.png")
@@ -188,7 +207,7 @@ def test_sweep_grid_skips_invalid_shapes_only_when_asked():
 def test_default_reference_is_the_strict_variant():
     ref = reference_entry(LOSSY, None, ["verifier.kappa=0.3", "runtime.dtype=float32"])
     assert ref.name == "adaptivespec-lossy-strict" and ref.config.verifier.name == "strict"
-    assert ref.config.runtime.dtype == "float32" and bench.config_lossless(ref.config)
+    assert ref.config.runtime.dtype == "float32" and config_lossless(ref.config)
 
 
 # -- aggregation and plots on synthetic records (no model) -------------------------------------------------
@@ -226,7 +245,7 @@ def test_summarize_speedups_and_retention(tmp_path):
     assert rows["eagle3"]["accepted_per_step"] == {"steps": 8, "mean": 1.5, "histogram": {"1": 4, "2": 4}}
     assert rows["ar"]["accept_length_mean"] == pytest.approx(400 / 200)
     assert all(r["complete"] for r in rows.values())
-    assert bench.pick_reference(res["configs"], forced="ar") == "ar"
+    assert pick_reference(contender_infos(spec), forced="ar") == "ar"
 
 
 def test_decode_rate_leaves_the_prefill_out(tmp_path):
@@ -242,7 +261,7 @@ def test_decode_rate_leaves_the_prefill_out(tmp_path):
     assert rows["eagle3"]["speedup_vs_ar"] == pytest.approx(2.0)
     assert rows["hf-generate"]["decode_tokens_per_second"] is None
     # per category too, and the category table shows the decode speedup where there is one
-    assert "decode speedup vs AR" not in bench.markdown(res)  # gsm8k has no categories
+    assert "decode speedup vs AR" not in report.markdown(res)  # gsm8k has no categories
     from adaptivespec.evaluation import categories
 
     md = categories.markdown({"ar": "ar", "configs": res["configs"], "categories": {"all": {"prompts": 4, "configs": res["configs"]}}})
@@ -259,18 +278,51 @@ def test_answer_agreement_against_the_reference(tmp_path):
     partial = [r for r in recs if not (r["config"] == "lossy[k=0.2]" and r["index"] != 3)]
     row = {r["name"]: r for r in summarize(spec, problems, partial)["configs"]}["lossy[k=0.2]"]
     assert (row["answers_compared"], row["answers_equal"], row["answer_agreement"]) == (1, 0, 0.0)
-    md = bench.markdown(summarize(spec, problems, recs))
+    md = report.markdown(summarize(spec, problems, recs))
     assert "50.0% (2/4)" in md
 
 
-def test_plots_on_synthetic_results(tmp_path):
+def test_speedup_retention_plot_places_every_contender(tmp_path):
     spec, problems, recs = synthetic(tmp_path)
-    res = summarize(spec, problems, recs)
-    speedup_retention(res, tmp_path / "s.png")
-    pareto(res, tmp_path / "p.png")
-    bench.write_outputs(res, tmp_path, ("verifier.kappa",))
-    for name in ("s.png", "p.png", "speedup_retention.png", "accept_lengths.png", "pareto.png"):
+    ax = plots.speedup_retention(summarize(spec, problems, recs)).axes[0]
+    # one point per contender at (retention vs eagle3 in %, tokens/s over ar's), labelled with its name
+    assert [t.get_text() for t in ax.texts] == ["ar", "eagle3", "lossy[k=0.2]", "lossy[k=0.5]", "hf-generate"]
+    points = [tuple(c.get_offsets()[0]) for c in ax.collections]
+    assert points == [pytest.approx(p) for p in ((100, 1.0), (100, 2.0), (50, 3.0), (75, 2.5), (100, 1.1))]
+    assert ax.get_xlabel() == "accuracy retention vs eagle3 (%)" and ax.get_ylabel() == "speedup vs ar (tokens/s ratio)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["lossless", "lossy", "peer"]
+    # without retention (an ungraded set): bars, one per contender
+    ungraded = [dict(r, correct=None) for r in recs]
+    ax = plots.speedup_retention(summarize(spec, problems, ungraded)).axes[0]
+    assert [b.get_height() for b in ax.containers[0]] == pytest.approx([1.0, 2.0, 3.0, 2.5, 1.1])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ar", "eagle3", "lossy[k=0.2]", "lossy[k=0.5]", "hf-generate"]
+
+
+def test_accept_length_plot_has_a_bar_group_per_speculative_config(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    ax = plots.accept_lengths(summarize(spec, problems, recs)).axes[0]
+    heights = [[b.get_height() for b in c] for c in ax.containers]  # share of steps accepting k = 0..3
+    assert heights == [pytest.approx(h) for h in ([0, 0.5, 0.5, 0], [0, 0, 0, 1], [0, 0, 0.5, 0.5])]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "eagle3 (mean 1.50, 8 steps)", "lossy[k=0.2] (mean 3.00, 8 steps)", "lossy[k=0.5] (mean 2.50, 8 steps)"]
+    assert ax.get_xlabel().endswith("(no steps: ar, hf-generate)")
+
+
+def test_pareto_plot_draws_the_frontier_through_the_reference(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    ax = plots.pareto(summarize(spec, problems, recs)).axes[0]
+    front = next(line for line in ax.lines if line.get_label() == "Pareto frontier")
+    assert list(front.get_xdata()) == pytest.approx([50, 75, 100]) and list(front.get_ydata()) == pytest.approx([30, 25, 20])
+    assert [t.get_text() for t in ax.texts] == ["0.2", "0.5"]
+    assert "reference eagle3" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_write_outputs_writes_every_plot(tmp_path):
+    spec, problems, recs = synthetic(tmp_path)
+    report.write_outputs(summarize(spec, problems, recs), tmp_path, ("verifier.kappa",))
+    for name in ("speedup_retention.png", "accept_lengths.png", "pareto.png"):
         assert_png(tmp_path / name)
+    assert not (tmp_path / "category_speedup.png").exists()  # gsm8k has no categories
     assert "| verifier.kappa |" in (tmp_path / "results.md").read_text().splitlines()[6]
 
 
@@ -321,5 +373,5 @@ def test_warmup_takes_the_first_and_the_longest_prompt():
     problems = load_dataset("longctx")[:6]
     longest = max(problems, key=lambda p: len(p.prompt))
     assert longest is not problems[0]
-    assert bench.warmup_problems(problems) == [problems[0], longest]
-    assert bench.warmup_problems([longest]) == [longest] and bench.warmup_problems([]) == []
+    assert warmup_problems(problems) == [problems[0], longest]
+    assert warmup_problems([longest]) == [longest] and warmup_problems([]) == []

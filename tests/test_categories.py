@@ -10,13 +10,19 @@ import pytest
 from adaptivespec.cli import main
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.evaluation import bench, categories
-from adaptivespec.evaluation.bench import BenchSpec, Entry, summarize
+from adaptivespec.evaluation import bench, categories, plots, report
+from adaptivespec.evaluation.records import RunRecord
+from adaptivespec.evaluation.spec import BenchSpec, Entry
 from adaptivespec.evaluation.categories import category_of, select
 from adaptivespec.evaluation.datasets import load_dataset
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 AR, EAGLE3, LOSSY = (str(CONFIGS / f) for f in ("ar.yaml", "eagle3.yaml", "adaptivespec-lossy.yaml"))
+
+
+def summarize(spec: BenchSpec, problems, recs: list[dict]) -> dict:
+    """The results document of ``recs``, records as ``records.jsonl`` holds them."""
+    return report.summarize(spec, problems, [RunRecord.from_json(r) for r in recs])
 
 
 def test_spec_bench_has_six_categories_with_mt_bench_as_one():
@@ -103,7 +109,7 @@ def test_per_category_aggregation():
     overall = {r["name"]: r for r in res["configs"]}
     assert overall["eagle3"]["prompts"] == 7 and overall["lossy"]["complete"] is False
     # results.md carries the overview and the long table; the plot is written
-    md = bench.markdown(res)
+    md = report.markdown(res)
     line = next(x for x in md.splitlines() if x.startswith("| `eagle3` | 2.00× ("))
     assert "## By category" in md and [c.split(" (")[0] for c in line.split(" | ")[1:]] == ["2.00×", "0.80×", "1.50×"]
     assert "| `lossy` | 3.00× (" in md and md.splitlines()[md.splitlines().index(line) + 1].endswith("| – |")
@@ -126,7 +132,7 @@ def test_per_category_reach_of_drafted_depths():
     assert reach(rows["translation"]["eagle3"]["accepted_per_step"]) == [0.75, 0.5, 0.25]
     assert reach(rows["qa"]["eagle3"]["accepted_per_step"]) == [0.5, 0.0, 0.0]
     assert reach(rows["qa"]["ar"]["accepted_per_step"]) is None
-    md = bench.markdown(res)
+    md = report.markdown(res)
     assert "steps accepting ≥1/≥2/≥3" in md
     assert next(x for x in md.splitlines() if x.startswith("| translation | `eagle3` |")).split(" | ")[7].rstrip(" |") == "0.75 / 0.50 / 0.25"
     assert next(x for x in md.splitlines() if x.startswith("| qa | `ar` |")).split(" | ")[7].rstrip(" |") == "–"
@@ -135,8 +141,13 @@ def test_per_category_reach_of_drafted_depths():
 def test_category_outputs_written(tmp_path):
     spec, probs, recs = _spec_and_records()
     res = summarize(spec, probs, recs)
-    bench.write_outputs(res, tmp_path)
+    report.write_outputs(res, tmp_path)
     assert (tmp_path / "category_speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = plots.category_speedups(res).axes[0]  # a bar per contender and category it ran, vs ar
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["eagle3", "lossy"]
+    assert [[b.get_height() for b in c] for c in ax.containers] == [pytest.approx([2.0, 0.8, 1.5]), pytest.approx([3.0, 1.2])]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["translation\n(4)", "qa\n(2)", "rag\n(1)"]
+    assert ax.get_ylabel() == "speedup vs ar (tokens/s ratio)"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert set(saved["categories"]) == {"translation", "qa", "rag"}
 
@@ -147,7 +158,7 @@ def test_datasets_without_categories_have_no_table():
     recs = [{"config": "ar", "id": p.id, "index": i, "new_tokens": 10, "wall_seconds": 1.0, "target_forwards": 10,
              "correct": True, "extracted": "1", "text": "x"} for i, p in enumerate(problems)]
     res = summarize(BenchSpec(entries=entries, dataset="gsm8k", max_new_tokens=8), problems, recs)
-    assert "categories" not in res and "By category" not in bench.markdown(res)
+    assert "categories" not in res and "By category" not in report.markdown(res)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -194,5 +205,5 @@ def test_sweep_reports_per_category_with_its_swept_values():
     qa = {r["name"]: r for r in res["categories"]["qa"]["configs"]}
     assert qa["lossy[k=0.5]"]["sweep"] == {"verifier.kappa": 0.5} and "sweep" not in qa["eagle3"]
     assert qa["lossy[k=0.5]"]["speedup_vs_reference"] == pytest.approx(1.5) and qa["lossy[k=0.5]"]["speedup_vs_ar"] is None
-    md = bench.markdown(res, ["verifier.kappa"])
+    md = report.markdown(res, ["verifier.kappa"])
     assert "Speedup vs `eagle3`" in md and "| `lossy[k=0.5]` | 1.50× (" in md

@@ -108,6 +108,7 @@ def test_backend_sglang_refuses_configs_it_cannot_serve():
 def test_run_bench_stops_every_server_even_when_a_generation_fails(tmp_path, monkeypatch):
     from adaptivespec.evaluation import bench
     from adaptivespec.evaluation.datasets import Problem
+    from adaptivespec.evaluation.spec import BenchSpec, Entry
 
     class Broken(FakeServer):
         def generate(self, ids, n, **sampling):
@@ -118,8 +119,8 @@ def test_run_bench_stops_every_server_even_when_a_generation_fails(tmp_path, mon
     real = sc.SGLangContender.__init__
     monkeypatch.setattr(sc.SGLangContender, "__init__",
                         lambda self, *a, **k: real(self, *a, **{**k, "server_factory": Broken}))
-    entries = (bench.Entry(name="eagle3", config=load_config(ROOT / "configs" / "eagle3.yaml")),)
-    spec = bench.BenchSpec(entries=entries, peers=("sglang",), dataset="gsm8k", max_new_tokens=6, backend="sglang")
+    entries = (Entry(name="eagle3", config=load_config(ROOT / "configs" / "eagle3.yaml")),)
+    spec = BenchSpec(entries=entries, peers=("sglang",), dataset="gsm8k", max_new_tokens=6, backend="sglang")
     problems = [Problem(id=f"p{i}", prompt="2+2?", reference="4", task="gsm8k") for i in range(3)]
     with pytest.raises(AdaptiveSpecError, match="boom"):
         bench.run_bench(spec, problems, tmp_path / "run", progress=False)

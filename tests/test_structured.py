@@ -335,14 +335,14 @@ def test_bench_constrains_each_structured_prompt_with_its_own_format():
         def generate_ids(self, ids, *, max_new_tokens, on_step=None, seed=None, response_format=None):
             seen.append(response_format)
             text = '{"name": "calculate", "arguments": {"expression": "2+2"}}'
-            return SimpleNamespace(text=text, stats={"new_tokens": 5})
+            return SimpleNamespace(text=text, stats={"new_tokens": 5, "wall_seconds": 0.1})
 
     call = next(p for p in problems if p.category == "function-call")
     rec = bench.run_one(Fake(), call, 0, 16)
     assert isinstance(seen[0], ResponseFormat) and seen[0].schema == call.meta["response_format"]["schema"]
-    assert rec["correct"] is True
+    assert rec.correct is True and rec.config == "fake" and rec.id == call.id
     bio = next(p for p in problems if p.category == "extract-bio")
-    assert bench.run_one(Fake(), bio, 1, 16)["correct"] is False  # a tool call is not a person record
+    assert bench.run_one(Fake(), bio, 1, 16).correct is False  # a tool call is not a person record
 
 
 # -- serving: SGLang's own constrained decoding gets the format ------------------------------------------

@@ -14,10 +14,11 @@ Categories (:func:`category_of`):
 * other sets have none (no per-category table).
 
 :func:`select` implements ``--categories a,b`` and ``--per-category N`` (the first N of each
-category in file order, for balanced small runs). :func:`by_category` is the per-category part
-of ``results.json``: for each category the same aggregates as the overall table, computed by
-:func:`adaptivespec.evaluation.bench.summarize` on that category's prompts, so ``speedup_vs_ar``
-and ``speedup_vs_eagle3`` divide by the baseline's tokens/s *on the same category*.
+category in file order, for balanced small runs). The per-category part of ``results.json``
+(:func:`adaptivespec.evaluation.report.by_category`) has for each category the same aggregates as
+the overall table, on that category's prompts, so ``speedup_vs_ar`` and ``speedup_vs_eagle3``
+divide by the baseline's tokens/s *on the same category*; :func:`markdown` is its section of
+``results.md``.
 """
 
 from __future__ import annotations
@@ -99,24 +100,8 @@ def select(problems: list[Problem], wanted: list[str] | None = None, per_categor
     return out
 
 
-def by_category(spec, problems: list[Problem], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """``{category: {"prompts": n, "configs": [row per contender]}}`` (empty without categories).
-
-    A contender that ran none of a category's prompts has ``prompts`` 0 and no speeds there."""
-    from adaptivespec.evaluation.bench import summarize
-
-    out: dict[str, Any] = {}
-    for cat in categories(problems):
-        subset = [p for p in problems if category_of(p) == cat]
-        doc = summarize(spec, subset, records, by_category=False)
-        rows = [{k: r.get(k) for k in CATEGORY_FIELDS} | ({"sweep": r["sweep"]} if "sweep" in r else {})
-                for r in doc["configs"]]
-        out[cat] = {"prompts": len(subset), "reference": doc["reference"], "ar": doc["ar"], "eagle3": doc["eagle3"],
-                    "configs": rows}
-    return out
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+def format_value(value: float | None, spec: str, suffix: str = "") -> str:
+    """A table cell: ``value`` formatted with ``spec`` and ``suffix``, or a dash for None."""
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
@@ -155,7 +140,7 @@ def markdown(results: dict[str, Any]) -> str:
                 cells.append("–")
                 continue
             tau = "" if r["accept_length_mean"] is None else f" ({r['accept_length_mean']:.2f})"
-            cells.append(_fmt(r[key], ".2f", "×") + tau + ("" if r["complete"] else "*"))
+            cells.append(format_value(r[key], ".2f", "×") + tau + ("" if r["complete"] else "*"))
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     if any(r["prompts"] and not r["complete"] for c in cats.values() for r in c["configs"]):
         lines += ["", "\\* incomplete: the contender has not run every prompt of that category."]
@@ -168,10 +153,10 @@ def markdown(results: dict[str, Any]) -> str:
     for cat, c in cats.items():
         for r in c["configs"]:
             acc = ("–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}% ({r['correct']}/{r['graded']})")
-            cells = [cat, f"`{r['name']}`", f"{r['prompts']}/{c['prompts']}", _fmt(r["tokens_per_second"], ".2f"),
-                     _fmt(r["speedup_vs_ar"], ".2f", "×"),
-                     *([_fmt(r.get("decode_speedup_vs_ar"), ".2f", "×")] if decode else []),
-                     _fmt(r["speedup_vs_eagle3"], ".2f", "×"),
-                     _fmt(r["accept_length_mean"], ".2f"), _reach_cell(r.get("accepted_per_step")), *([acc] if graded else [])]
+            cells = [cat, f"`{r['name']}`", f"{r['prompts']}/{c['prompts']}", format_value(r["tokens_per_second"], ".2f"),
+                     format_value(r["speedup_vs_ar"], ".2f", "×"),
+                     *([format_value(r.get("decode_speedup_vs_ar"), ".2f", "×")] if decode else []),
+                     format_value(r["speedup_vs_eagle3"], ".2f", "×"),
+                     format_value(r["accept_length_mean"], ".2f"), _reach_cell(r.get("accepted_per_step")), *([acc] if graded else [])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -18,8 +18,8 @@ from adaptivespec.cli import positive_int
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from adaptivespec.evaluation.bench import DEFAULT_MAX_NEW_TOKENS
     from adaptivespec.evaluation.datasets import DATASETS
+    from adaptivespec.evaluation.spec import DEFAULT_MAX_NEW_TOKENS
 
     p.add_argument("--dataset", required=True, metavar="NAME", help=f"evaluation set: {', '.join(DATASETS)}")
     p.add_argument("--data", metavar="FILE.jsonl", help="read the dataset from this JSON-lines file (same fields)")
@@ -65,13 +65,12 @@ def add_sweep_parser(sub) -> None:
 
 def _problems(args):
     from adaptivespec.errors import AdaptiveSpecError
-    from adaptivespec.evaluation.bench import DEFAULT_MAX_NEW_TOKENS
+    from adaptivespec.evaluation.categories import parse_categories, select
     from adaptivespec.evaluation.datasets import DATASETS, DatasetError, load_dataset
+    from adaptivespec.evaluation.spec import DEFAULT_MAX_NEW_TOKENS
 
     if args.dataset not in DATASETS:
         raise AdaptiveSpecError(f"--dataset: unknown dataset {args.dataset!r}; expected one of: {', '.join(DATASETS)}")
-    from adaptivespec.evaluation.categories import parse_categories, select
-
     wanted = parse_categories(getattr(args, "categories", None))
     per_category = getattr(args, "per_category", None)
     chosen = wanted is not None or per_category is not None
@@ -97,7 +96,7 @@ def _selection(args) -> dict:
 
 
 def _finish(results, out: Path, columns=()) -> int:
-    from adaptivespec.evaluation.bench import markdown
+    from adaptivespec.evaluation.report import markdown
 
     print(markdown(results, list(columns)))
     plots = "speedup_retention.png, accept_lengths.png" + (", pareto.png" if "sweep" in results else "")
@@ -107,8 +106,9 @@ def _finish(results, out: Path, columns=()) -> int:
 
 
 def run_bench_command(args) -> int:
-    from adaptivespec.evaluation.bench import BenchSpec, Entry, load_bench_config, run_bench
+    from adaptivespec.evaluation.bench import run_bench
     from adaptivespec.evaluation.peers import parse_peers
+    from adaptivespec.evaluation.spec import BenchSpec, Entry, load_bench_config
 
     problems, max_new, overrides = _problems(args)
     entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
@@ -121,7 +121,8 @@ def run_bench_command(args) -> int:
 
 
 def run_sweep_command(args) -> int:
-    from adaptivespec.evaluation.bench import BenchSpec, run_bench
+    from adaptivespec.evaluation.bench import run_bench
+    from adaptivespec.evaluation.spec import BenchSpec
     from adaptivespec.evaluation.sweep import reference_entry, sweep_entries
 
     problems, max_new, overrides = _problems(args)

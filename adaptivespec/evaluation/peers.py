@@ -18,12 +18,19 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+from transformers import GenerationConfig
 
 from adaptivespec.config import Config
+from adaptivespec.decode import GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.contenders import generate_untimed, warmup_problems
+from adaptivespec.evaluation.datasets import Problem
+from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, describe_sglang_peer
+from adaptivespec.evaluation.spec import sampling_seed
+from adaptivespec.models import encode_prompt, load_target
 
 PEERS: dict[str, dict[str, Any]] = {
     "hf-generate": {},
@@ -35,8 +42,6 @@ PEERS: dict[str, dict[str, Any]] = {
 def parse_peers(text: str | None) -> tuple[str, ...]:
     """``"hf-generate,hf-prompt-lookup"`` -> the names, checked against :data:`PEERS` and the
     SGLang peers (``sglang``, ``sglang-eagle3``, ``sglang-ngram``: each its own local server)."""
-    from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS
-
     if not text:
         return ()
     names = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -51,8 +56,6 @@ def parse_peers(text: str | None) -> tuple[str, ...]:
 
 def describe_peer(name: str, config: Config) -> dict[str, Any]:
     """What stands in for ``config.to_dict()`` in the results: the peer and the target it runs on."""
-    from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, describe_sglang_peer
-
     if name in SGLANG_PEERS:
         return describe_sglang_peer(name, config)
     return {
@@ -74,7 +77,8 @@ def sampling_kwargs(config: Config) -> dict[str, Any]:
 
 
 class HfPeer:
-    """One transformers decoding mode on the target of ``config`` (the bench's first config)."""
+    """One transformers decoding mode on the target of ``config`` (the bench's first config); a
+    :class:`~adaptivespec.evaluation.contenders.Contender`."""
 
     kind = "peer"
     lossless = True  # greedy; prompt lookup verifies its drafts greedily
@@ -82,34 +86,38 @@ class HfPeer:
 
     def __init__(self, name: str, config: Config, host=None) -> None:
         """``host`` is accepted for the contenders' common signature; a peer loads no plugin."""
-        from adaptivespec.models import encode_prompt, load_target
-
         if name not in PEERS:
             raise AdaptiveSpecError(f"--peers: unknown peer {name!r}; expected one of: {', '.join(PEERS)}")
         self.name, self.config = name, config
         # its own copy of the target, as transformers loads it (our runtime re-lays out the shared one)
         self.target, self.tokenizer = load_target(config.model.target, config.runtime.dtype, config.runtime.device)
-        self._encode = encode_prompt
         self.kwargs = dict(PEERS[name])
         # stop_at_eos: false -> an id no token has (None would fall back to the model's own EOS)
         self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else self.target.config.vocab_size
 
     def encode(self, text: str) -> list[int]:
-        return self._encode(self.tokenizer, text, chat=self.config.generation.chat_template)
+        """``text`` encoded as the configs encode it (the chat template as the config says)."""
+        return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
 
     def seed_for(self, index: int) -> int | None:
-        from adaptivespec.evaluation.bench import sampling_seed
-
+        """Sampling seed of prompt ``index`` (``generation.seed + index``); None when greedy."""
         return sampling_seed(self.config, index)
 
+    def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
+        """Warm up on the first and the longest prompt (a peer remembers nothing and compiles no grammar)."""
+        generate_untimed(self, warmup_problems(problems), max_new_tokens)
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
     def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step: Callable | None = None,
-                     seed: int | None = None):
+                     seed: int | None = None, response_format=None) -> GenerationResult:
         """``model.generate`` (greedy, or sampled with the config's settings and torch's global RNG
-        seeded with ``seed`` inside ``fork_rng``); returns an :class:`adaptivespec.decode.GenerationResult`."""
-        from transformers import GenerationConfig
-
-        from adaptivespec.decode import GenerationResult
-
+        seeded with ``seed`` inside ``fork_rng``); returns an :class:`adaptivespec.decode.GenerationResult`.
+        A peer cannot constrain its output: a ``response_format`` is refused."""
+        if response_format is not None:
+            raise AdaptiveSpecError(f"--peers: {self.name} cannot follow a response_format (got {response_format.type!r}); "
+                                    "expected a dataset without response formats, or an SGLang peer")
         device = next(self.target.parameters()).device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, n]
         gen = GenerationConfig(

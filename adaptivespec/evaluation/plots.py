@@ -5,13 +5,18 @@
 * :func:`pareto`: a sweep's throughput against retention, the Pareto frontier highlighted and each
   point labelled with its parameter value(s);
 * :func:`category_speedups`: speedup per prompt category (datasets with categories).
+
+Each returns its :class:`~matplotlib.figure.Figure` (written to ``path`` as a PNG when one is given).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _pyplot():
@@ -21,6 +26,15 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _finish(plt, fig: Figure, path: str | Path | None) -> Figure:
+    """Lay ``fig`` out and, given a ``path``, write it there as a PNG; pyplot forgets it either way."""
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
 
 
 def _title(results: dict[str, Any]) -> str:
@@ -51,7 +65,7 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
-def speedup_retention(results: dict[str, Any], path: str | Path) -> None:
+def speedup_retention(results: dict[str, Any], path: str | Path | None = None) -> Figure:
     """Speedup (vs AR, else vs the first config) against retention; bars if retention is unknown."""
     plt = _pyplot()
     rows = results["configs"]
@@ -80,12 +94,10 @@ def speedup_retention(results: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel(f"speedup vs {base} (tokens/s ratio)")
     ax.set_title(_title(results), fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return _finish(plt, fig, path)
 
 
-def accept_lengths(results: dict[str, Any], path: str | Path) -> None:
+def accept_lengths(results: dict[str, Any], path: str | Path | None = None) -> Figure:
     """Fraction of steps accepting k drafted tokens, k = 0, 1, ..., grouped bars per config."""
     plt = _pyplot()
     rows = [r for r in results["configs"] if r["accepted_per_step"]["steps"]]
@@ -107,16 +119,14 @@ def accept_lengths(results: dict[str, Any], path: str | Path) -> None:
     ax.set_ylabel("fraction of steps")
     ax.set_title(_title(results), fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return _finish(plt, fig, path)
 
 
 def _label(sweep: dict[str, Any]) -> str:
     return ", ".join(f"{v:g}" if isinstance(v, (int, float)) else str(v) for v in sweep.values())
 
 
-def pareto(results: dict[str, Any], path: str | Path) -> None:
+def pareto(results: dict[str, Any], path: str | Path | None = None) -> Figure:
     """Tokens/s against retention for a sweep's points and its reference (at 100%), the Pareto
     frontier (higher is better on both axes) highlighted, each point labelled with its value(s).
 
@@ -154,12 +164,10 @@ def pareto(results: dict[str, Any], path: str | Path) -> None:
     ax.set_title(f"sweep of {keys} — {_title(results)}", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return _finish(plt, fig, path)
 
 
-def category_speedups(results: dict[str, Any], path: str | Path) -> None:
+def category_speedups(results: dict[str, Any], path: str | Path | None = None) -> Figure:
     """Speedup (vs AR, else vs the first config) per prompt category: grouped bars, one group per
     category, one bar per contender; a contender missing from a category has no bar there."""
     plt = _pyplot()
@@ -186,6 +194,4 @@ def category_speedups(results: dict[str, Any], path: str | Path) -> None:
     ax.set_title(f"by category — {_title(results)}", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return _finish(plt, fig, path)

@@ -19,10 +19,19 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+import yaml
+from transformers import AutoTokenizer
 
 from adaptivespec.config import Config
+from adaptivespec.constraints import sglang_sampling_params
+from adaptivespec.decode import GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.contenders import generate_untimed
+from adaptivespec.evaluation.datasets import Problem
+from adaptivespec.evaluation.spec import config_lossless, sampling_seed
+from adaptivespec.models import EMBEDDED, embedded_folder, encode_prompt
 
 SGLANG_PEERS = {
     "sglang": "SGLang's plain decoding (its Intel AMX kernels on a CPU)",
@@ -34,13 +43,11 @@ BENCH_KV_TOKENS = 16384
 
 
 class SGLangContender:
-    """One SGLang server in a bench run: a peer mode or a config served through the plugin."""
+    """One SGLang server in a bench run: a peer mode or a config served through the plugin; a
+    :class:`~adaptivespec.evaluation.contenders.Contender`."""
 
     lossless = True
     autoregressive = False
-    warm_every_prompt = True
-    """The bench warms it up on every prompt: SGLang's CPU backend compiles kernels per new prompt
-    length and batch size on first use (stalls of 90-200 s were seen inside timed runs)."""
 
     def __init__(self, name: str, config: Config, *, peer: str | None = None, config_path: str | None = None,
                  server_factory: Callable | None = None) -> None:
@@ -60,8 +67,6 @@ class SGLangContender:
                 raise AdaptiveSpecError(f"{name}: --backend sglang serves config files; this config has no file")
             self._trace = logdir / "steps.jsonl"
             argv, env = served_command(config_path, port, trace=self._trace, extra_args=extra)
-            from adaptivespec.evaluation.bench import config_lossless
-
             self.lossless = config_lossless(config)
         self.server = (server_factory or SGLangServer)(argv, env, logdir / "server.log", timeout=600)
         self.server.start()  # paused after its first generation: not while other servers start up
@@ -71,23 +76,22 @@ class SGLangContender:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from adaptivespec.models import EMBEDDED, embedded_folder
-
             target = self.config.model.target
             self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
-        from adaptivespec.models import encode_prompt
-
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
 
     def seed_for(self, index: int) -> int | None:
-        from adaptivespec.evaluation.bench import sampling_seed
-
         return sampling_seed(self.config, index)
+
+    def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
+        """Warm up on every prompt, then flush the prefix cache: SGLang's CPU backend compiles kernels
+        per new prompt length and batch size on first use (stalls of 90-200 s were seen inside timed
+        runs). SGLang compiles grammars itself."""
+        generate_untimed(self, problems, max_new_tokens)
+        self.forget()
 
     def forget(self) -> None:
         self._resume()
@@ -113,8 +117,6 @@ class SGLangContender:
                      response_format=None):
         """``response_format`` (default: the config's) goes to SGLang as its own constrained
         decoding's sampling parameter (``json_schema``, ``regex`` or ``ebnf``)."""
-        from adaptivespec.decode import GenerationResult
-
         g = self.config.generation
         sampling: dict[str, Any] = {}
         if g.temperature > 0:
@@ -124,8 +126,6 @@ class SGLangContender:
             sampling["ignore_eos"] = True
         fmt = response_format if response_format is not None else g.response_format
         if fmt is not None:
-            from adaptivespec.constraints import sglang_sampling_params
-
             sampling.update(sglang_sampling_params(fmt))
         self._resume()
         try:
@@ -177,8 +177,6 @@ class _TraceStep:
 
 def served_config_file(config: Config, name: str) -> str:
     """A YAML file of ``config`` as loaded (``--set`` overrides applied), for ``adaptivespec serve``."""
-    import yaml
-
     folder = Path(tempfile.mkdtemp(prefix=f"adaptivespec-served-{name}-"))
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(json.loads(json.dumps(config.to_dict(), default=str)), sort_keys=False))

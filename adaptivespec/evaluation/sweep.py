@@ -17,7 +17,7 @@ import yaml
 
 from adaptivespec.config import apply_override, build_config, read_yaml
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.evaluation.bench import Entry, config_lossless, load_bench_config
+from adaptivespec.evaluation.spec import Entry, config_lossless, load_bench_config
 
 
 def parse_param(text: str) -> tuple[str, list[tuple[str, float | int]]]:

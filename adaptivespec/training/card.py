@@ -87,7 +87,7 @@ def measure(head: Path, prompts: list[list[int]], max_new_tokens: int, shape: tu
 
 
 def _machine() -> str:
-    from adaptivespec.evaluation.bench import machine_info
+    from adaptivespec.evaluation.report import machine_info
 
     m = machine_info(["cuda"] if torch.cuda.is_available() else [])
     gpus = ", ".join(m.get("gpus", {}).values())
