@@ -14,8 +14,8 @@ import pytest
 
 from adaptivespec.cli import main
 from adaptivespec.evaluation import soak
-from adaptivespec.evaluation.soak import (BAD_KINDS, SCHEDULE, Outcome, SoakReport, figure, group_rss_mib, kind_of,
-                                          request_body, rss_growth, send)
+from adaptivespec.evaluation.soak import BAD_KINDS, SCHEDULE, Outcome, group_rss_mib, kind_of, request_body, rss_growth, send
+from adaptivespec.evaluation.soak_report import SoakReport, figure
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Iterable, Protocol
 
-from adaptivespec.config import ResponseFormat, parse_response_format
+from adaptivespec.response_format import ResponseFormat, parse_response_format
 from adaptivespec.decode import Engine, GenerationResult
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.spec import Entry, sampling_seed

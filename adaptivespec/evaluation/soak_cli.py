@@ -1,14 +1,25 @@
-"""``adaptivespec soak``: start a served config on loopback, run :mod:`adaptivespec.evaluation.soak`'s mix
-against it, stop it, write ``soak.json`` and ``soak-rss.png``; exit 0 when every target holds, 1 when
+"""``adaptivespec soak``: start a served config on loopback, send :mod:`adaptivespec.evaluation.soak`'s mix
+to it (:func:`run_soak`), stop it, write ``soak.json`` and ``soak-rss.png``; exit 0 when every target holds, 1 when
 one does not, 2 for bad arguments."""
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tqdm import tqdm
+
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.datasets import load_dataset
+from adaptivespec.evaluation.soak import Outcome, RssSampler, kind_of, request_body, send
+from adaptivespec.evaluation.soak_report import SoakReport, figure
+from adaptivespec.sglang import serve
+from adaptivespec.sglang.metrics import parse_metrics
+from adaptivespec.sglang.server import SGLangServer, free_port, served_command
 
 
 def _positive_int(text: str) -> int:
@@ -52,8 +63,6 @@ def add_soak_parser(sub) -> argparse.ArgumentParser:
 
 def _inputs() -> tuple[list[str], list[dict]]:
     """Prompts (Spec-Bench's, every category) and schemas (the structured set's)."""
-    from adaptivespec.evaluation.datasets import load_dataset
-
     prompts = [p.prompt for p in load_dataset("specbench")]
     schemas = [p.meta["response_format"]["schema"] for p in load_dataset("structured")]
     return prompts, schemas
@@ -67,11 +76,52 @@ def _context_tokens(target: str) -> int:
         return 8192
 
 
-def run_soak_command(args: argparse.Namespace) -> int:
-    from adaptivespec.evaluation.soak import figure, run_soak
-    from adaptivespec.sglang import serve
-    from adaptivespec.sglang.server import SGLangServer, free_port, served_command
+def run_soak(port: int, leader: int, *, config: str, requests: int, concurrency: int, max_seconds: float,
+             max_tokens: int, request_timeout: float, context_tokens: int, prompts: list[str], schemas: list[dict],
+             progress: bool = True) -> SoakReport:
+    """Send the mix to a server already listening on ``port`` (process group ``leader``)."""
+    done: list[Outcome] = []
+    sampler = RssSampler(leader, done)
+    sampler.sample()
+    sampler.start()
+    deadline = time.monotonic() + max_seconds
+    bar = tqdm(total=requests, desc="soak", unit="req", disable=not progress)
 
+    def one(i: int) -> Outcome | None:
+        if time.monotonic() > deadline:
+            return None
+        kind = kind_of(i)
+        schema = schemas[i % len(schemas)] if kind == "json_schema" else None
+        body = request_body(kind, i, prompts, schemas, max_tokens, context_tokens)
+        out = send(port, i, kind, body, schema, request_timeout)
+        done.append(out)
+        bar.update(1)
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, range(requests)))
+    seconds = time.perf_counter() - t0
+    bar.close()
+    sampler.stop()
+    after = send(port, requests, "chat", request_body("chat", 0, prompts, schemas, 8, context_tokens), None, request_timeout)
+    metrics: dict[str, float] = {}
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        if resp.status == 200:
+            metrics = parse_metrics(resp.read().decode(errors="replace"))
+        conn.close()
+    except OSError:
+        pass
+    outcomes = tuple(o for o in results if o is not None)
+    return SoakReport(config=config, requests=requests, concurrency=concurrency, seconds=seconds, outcomes=outcomes,
+                      rss_series=tuple(sampler.series), metrics=metrics, answered_after=after.ok,
+                      not_run=requests - len(outcomes))
+
+
+def run_soak_command(args: argparse.Namespace) -> int:
     extra = [a for a in (args.sglang_args or []) if a != "--"]
     if not Path(args.config).is_file():
         raise AdaptiveSpecError(f"--config: {args.config}: config file not found")
