@@ -230,3 +230,50 @@ def test_fifty_mixed_requests_concurrently(served, prompt_ids):
     assert server.alive()
     batches = [s["bs"] for s in _trace(trace)[before:]]
     assert max(batches) > 1  # the requests really ran batched through the policy
+
+
+def test_metrics_carry_the_speculation_series_after_traffic(served):
+    """``serve`` turns SGLang's /metrics on; the worker's adaptivespec_* series sit beside SGLang's."""
+    from adaptivespec.sglang.metrics import parse_metrics
+
+    server, _ = served
+    assert server.generate([1, 2, 3, 4, 5], 24)["meta_info"]["completion_tokens"] == 24
+    status, text = server.request("GET", "/metrics")
+    assert status == 200 and "sglang:" in text
+    series = parse_metrics(text)
+    steps = sum(v for k, v in series.items() if k.startswith("adaptivespec_steps_total{"))
+    assert steps > 0, sorted(series)[:20]
+    assert series["adaptivespec_accepted_tokens_per_step_count"] >= steps  # one observation per request per step
+    assert series['adaptivespec_accepted_tokens_total{source="head"}'] > 0
+    assert series["adaptivespec_verify_rows_per_step_count"] == steps
+    assert any(k.startswith("adaptivespec_load_choice_draft_tokens{") for k in series)
+    assert 'adaptivespec_undrafted_steps_total{reason="load"}' in series
+
+
+def test_each_response_can_carry_its_speculation_figures(served):
+    """SGLang's per-request spec details (``return_spec_tokens_details``) come through the plugin's worker."""
+    server, _ = served
+    out = server.chat([{"role": "user", "content": "Count from one to ten."}], 32, return_spec_tokens_details=True)
+    details = out["sglext"]["spec_tokens_details"]
+    details = details[0] if isinstance(details, list) else details
+    assert 0 < details["spec_verify_ct"] <= out["usage"]["completion_tokens"]
+    assert details["spec_accept_length"] >= 1.0
+
+
+def test_soak_of_mixed_good_and_bad_requests(served):
+    """200 requests, 8 at a time (plain, streamed, dropped streams, json_schema, sampled; six kinds of bad
+    input): every valid one completes, every bad one gets a 4xx naming the field, no 5xx, no hang, memory
+    flat, the controller's per-request state bounded, the server answers afterwards."""
+    from adaptivespec.evaluation.datasets import load_dataset
+    from adaptivespec.evaluation.soak_cli import run_soak
+
+    server, _ = served
+    prompts = [p.prompt for p in load_dataset("specbench")]
+    schemas = [p.meta["response_format"]["schema"] for p in load_dataset("structured")]
+    report = run_soak(server.port, server.proc.pid, config=str(DCS_CONFIG), requests=200, concurrency=8,
+                      max_seconds=900, max_tokens=24, request_timeout=240, context_tokens=8192, prompts=prompts,
+                      schemas=schemas, progress=False)
+    data = report.to_json()
+    assert report.failures() == [], (data["failures"], data["examples"][:5])
+    assert data["valid_completed"] == 160 and data["bad_4xx_naming_field"] == 40
+    assert report.state_bounded() is True
