@@ -334,3 +334,33 @@ def test_capabilities_not_names_decide_how_a_strategy_is_served(monkeypatch, tmp
     assert serve.load_profile(near) is not None  # dcs adapts its shape
     with pytest.raises(AdaptiveSpecError, match="verifier 'near' at generation.temperature 0.7"):
         serve.sampling_args(near)
+
+
+@pytest.mark.parametrize("kind,name,flag,expected", [
+    ("policies", "static", "adapts_shape", False), ("policies", "dcs", "adapts_shape", True),
+    ("policies", "cost_aware", "adapts_shape", True), ("policies", "talon", "adapts_shape", True),
+    ("verifiers", "strict", "lossless", True), ("verifiers", "margin", "lossless", False),
+    ("verifiers", "fly", "lossless", False),
+])
+def test_shipped_strategies_declare_the_capabilities_serving_reads(kind, name, flag, expected):
+    """static keeps its one shape and strict is SGLang's own rule; TALON inherits the base's adapting
+    default and FLy declares itself lossy, so neither is served as a built-in of the other kind."""
+    registry = getattr(plugins.get_plugin_host(), kind)
+    if name not in registry:
+        pytest.skip(f"{kind[:-1]} {name!r} is not installed (plugins/adaptivespec-{name})")
+    assert getattr(registry.get(name).cls, flag) is expected
+
+
+@pytest.mark.parametrize("config_name,shrunk", [("talon.yaml", True), ("eagle3.yaml", False)])
+def test_load_profile_auto_follows_the_policy_capability_of_a_shipped_config(config_name, shrunk, monkeypatch):
+    monkeypatch.setattr(serve, "detect_device", lambda: "cpu")
+    sc = serve.served_config(ROOT / "configs" / config_name)
+    assert (serve.load_profile(sc) is not None) is shrunk
+
+
+def test_a_lossy_plugin_verifier_runs_in_the_plugin_not_in_sglangs_kernel():
+    if "fly" not in plugins.get_plugin_host().verifiers:
+        pytest.skip("verifier 'fly' is not installed (plugins/adaptivespec-fly)")
+    sc = serve.served_config(ROOT / "configs" / "fly.yaml")
+    assert build_strategies(sc.config)[1].name == "fly"  # the eagle_sample hook runs it on greedy batches
+    assert build_strategies(serve.served_config(ROOT / "configs" / "eagle3.yaml").config)[1] is None  # strict: SGLang's

@@ -68,8 +68,6 @@ def register() -> None:
         raise
 
 
-
-
 def _install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.speculative import eagle_worker_common  # noqa: F401  holds eagle_sample by name
