@@ -244,6 +244,19 @@ def test_verify_marks_the_worker_only_for_a_non_strict_verifier(monkeypatch, con
     assert lossy.verify(None) is lossy and VERIFYING.get() is None
 
 
+def test_worker_reads_the_config_path_as_register_does(monkeypatch, config_path):
+    """register() strips ADAPTIVESPEC_CONFIG; the worker in the same process reads the same file."""
+    ew, *_ = make_sglang(monkeypatch, TOP)
+    workers = load_workers(monkeypatch, ew)
+    seen = []
+    monkeypatch.setattr(workers, "load_config", lambda path: seen.append(path))
+    monkeypatch.setattr(workers, "build_strategies", lambda config, host=None: (Policy(), None))
+    monkeypatch.setenv(CONFIG_ENV, f" {config_path}\n")
+    ew.EagleDraftWorker = workers.AdaptiveSpecDraftWorker
+    workers.AdaptiveSpecWorker(None, 0, 0, None)
+    assert seen == [config_path]
+
+
 def test_unsupported_settings():
     ok = dict(adaptive=False, rejection_sampling=False, tp_size=1, pp_size=1)
     assert unsupported_reason(**ok) is None

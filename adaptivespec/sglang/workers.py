@@ -96,7 +96,7 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         if reason:
             raise AdaptiveSpecError(f"adaptivespec SGLang plugin: {reason}")
         host = get_plugin_host()
-        config = load_config(os.environ[CONFIG_ENV])
+        config = load_config(os.environ[CONFIG_ENV].strip())  # as register() read it
         policy, self.adaptivespec_verifier = build_strategies(config, host)
         observe = host.has_observers("adaptivespec_step")
         trace = StepTrace.from_env()
