@@ -46,13 +46,14 @@ def free_port() -> int:
 
 def served_command(config: str | Path, port: int, *, trace: str | Path | None = None,
                    extra_args: Sequence[str] = (), device: str | None = None,
-                   verify_budget: int | None = None, load_profile: str | None = None) -> tuple[list[str], dict[str, str]]:
+                   verify_budget: int | None = None, load_profile: str | None = None,
+                   metrics: bool = True) -> tuple[list[str], dict[str, str]]:
     """argv and environment of ``adaptivespec serve --config CONFIG`` (what the CLI would exec);
-    ``load_profile`` as ``serve --load-profile`` (None: ``auto``)."""
+    ``load_profile`` as ``serve --load-profile`` (None: ``auto``); ``metrics=False`` as ``--no-metrics``."""
     sc = serve.refuse_unservable(config)
-    argv = serve.build_command(sc, port=port, extra_args=list(extra_args), device=device)
+    argv = serve.build_command(sc, port=port, extra_args=list(extra_args), device=device, metrics=metrics)
     env = serve.build_env(sc, device=device, trace=trace, verify_budget=verify_budget,
-                          load_profile=serve.load_profile(sc, load_profile, device=device))
+                          load_profile=serve.load_profile(sc, load_profile, device=device), metrics=metrics)
     return argv, env
 
 
