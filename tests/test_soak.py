@@ -179,3 +179,19 @@ def test_bad_arguments_are_one_line_exit_2(capsys, argv, expected):
 
 def test_the_module_documents_its_targets():
     assert "Exit status 0 when every target holds" in soak.__doc__
+
+
+def test_the_metrics_plot_draws_steps_per_shape_and_the_accept_distribution():
+    from adaptivespec.evaluation.soak_report import metrics_figure
+
+    metrics = {'adaptivespec_steps_total{shape="3,4,8"}': 5.0, 'adaptivespec_steps_total{shape="1,4,2"}': 7.0,
+               'adaptivespec_accepted_tokens_per_step_bucket{le="0.0"}': 4.0,
+               'adaptivespec_accepted_tokens_per_step_bucket{le="1.0"}': 10.0,
+               'adaptivespec_accepted_tokens_per_step_bucket{le="2.0"}': 12.0,
+               'adaptivespec_accepted_tokens_per_step_bucket{le="+Inf"}': 12.0,
+               "adaptivespec_accepted_tokens_per_step_count": 12.0, "adaptivespec_accepted_tokens_per_step_sum": 8.0}
+    left, right = metrics_figure(metrics).axes
+    assert [t.get_text() for t in left.get_xticklabels()] == ["1,4,2", "3,4,8"]
+    assert [p.get_height() for p in left.patches] == [7.0, 5.0]
+    assert [p.get_height() for p in right.patches] == [4.0, 6.0, 2.0]  # per value, from the cumulative buckets
+    assert "mean 0.67" in right.get_title()

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.datasets import load_dataset
 from adaptivespec.evaluation.soak import Outcome, RssSampler, kind_of, request_body, send
-from adaptivespec.evaluation.soak_report import SoakReport, figure
+from adaptivespec.evaluation.soak_report import SoakReport, figure, metrics_figure
 from adaptivespec.sglang import serve
 from adaptivespec.sglang.metrics import parse_metrics
 from adaptivespec.sglang.server import SGLangServer, free_port, served_command
@@ -141,6 +141,9 @@ def run_soak_command(args: argparse.Namespace) -> int:
     data = report.to_json()
     (out / "soak.json").write_text(json.dumps(data, indent=1) + "\n")
     figure(report).savefig(out / "soak-rss.png", dpi=110)
+    if report.metrics:
+        metrics_figure(report.metrics, f"{Path(args.config).stem}: /metrics after {args.requests} requests, "
+                       f"{args.concurrency} at a time").savefig(out / "soak-metrics.png", dpi=110)
     growth = "n/a" if data["rss_growth"] is None else f"{data['rss_growth']:+.1%}"
     print(f"soak: {data['valid_completed']}/{data['valid']} valid completed, {data['bad_4xx_naming_field']}/{data['bad']} bad "
           f"got a 4xx naming the field, {data['http_5xx']} 5xx, {data['hangs']} hangs, RSS growth {growth}, "

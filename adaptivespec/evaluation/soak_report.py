@@ -103,3 +103,33 @@ def figure(report: SoakReport):
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def metrics_figure(metrics: dict[str, float], title: str = ""):
+    """What ``/metrics`` said after a soak: decode steps per tree shape, and the distribution of
+    accepted drafted tokens per request and step (from the ``adaptivespec_*`` series; a matplotlib Figure)."""
+    import re
+
+    from matplotlib.figure import Figure
+
+    shapes = {m.group(1): v for k, v in metrics.items() if (m := re.fullmatch(r'adaptivespec_steps_total\{shape="([^"]+)"\}', k))}
+    cum = sorted((float(m.group(1)), v) for k, v in metrics.items()
+                 if (m := re.fullmatch(r'adaptivespec_accepted_tokens_per_step_bucket\{le="([0-9.]+)"\}', k)))
+    fig = Figure(figsize=(10, 3.4))
+    left, right = fig.subplots(1, 2)
+    order = sorted(shapes, key=lambda s: tuple(int(x) for x in s.split(",")))
+    left.bar(order, [shapes[s] for s in order], color="#4a6fa5")
+    left.set_xlabel("tree shape (nsteps,topk,ndt)")
+    left.set_ylabel("decode steps")
+    left.set_title("adaptivespec_steps_total by shape", fontsize=9)
+    counts = [n - (cum[i - 1][1] if i else 0.0) for i, (_, n) in enumerate(cum)]
+    right.bar([int(le) for le, _ in cum], counts, color="#a5704a")
+    right.set_xlabel("drafted tokens accepted (one request, one step)")
+    right.set_ylabel("observations")
+    total, total_sum = metrics.get("adaptivespec_accepted_tokens_per_step_count", 0.0), metrics.get("adaptivespec_accepted_tokens_per_step_sum", 0.0)
+    mean = f", mean {total_sum / total:.2f}" if total else ""
+    right.set_title(f"adaptivespec_accepted_tokens_per_step{mean}", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
