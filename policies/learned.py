@@ -57,10 +57,10 @@ class LearnedParams:
     """The hedge's static shape ``[nsteps, topk, ndt]``; null: the fitted file's (the best static on its data)."""
     hedge: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     """Fall back toward the static shape when the learned choice is measured to do worse."""
-    probe_every: int = attrs.field(default=8, validator=int_at_least(2))
+    probe_every: int = attrs.field(default=16, validator=int_at_least(2))
     """The arm not in the lead plays once after this many steps (its estimate stays current)."""
-    min_steps: int = attrs.field(default=3, validator=int_at_least(1))
-    """Steps each arm must have played before the lead can change (earlier probes come every 3 steps)."""
+    min_steps: int = attrs.field(default=2, validator=int_at_least(1))
+    """Steps each arm must have played before the lead can change (until then probes come twice as often)."""
     margin: float = attrs.field(default=0.05, validator=number_in(0, 1))
     """Relative rate by which the trailing arm must beat the leader to take the lead."""
     decay: float = attrs.field(default=0.9, validator=number_in(0, 1, lo_open=True))
@@ -92,6 +92,7 @@ class LearnedPolicy(TreePolicy):
 
     def reset(self) -> None:
         self._ema = self.model.ema_init
+        self._saturated, self._sat_ema = False, 0.0  # did the last step accept its whole depth; EMA of that
         self._tokens = [0.0, 0.0]  # decayed emitted tokens per arm
         self._ms = [0.0, 0.0]  # decayed step milliseconds per arm
         self._n = [0, 0]
@@ -106,7 +107,8 @@ class LearnedPolicy(TreePolicy):
         t0 = time.perf_counter_ns()
         m = self.model
         phi = basis(signals.draft_top1_prob, signals.draft_entropy, self._ema, signals.last_accepted,
-                    signals.context, signals.source_match, signals.source_nodes, signals.source_top)
+                    signals.context, signals.source_match, signals.source_nodes, signals.source_top,
+                    self._saturated, self._sat_ema)
         ms = m.step_ms(signals.context, signals.source_nodes)
         score = (1.0 + m.expected(phi)) / ms
         i = int(score.argmax())
@@ -124,7 +126,7 @@ class LearnedPolicy(TreePolicy):
     def _pick_arm(self) -> int:
         """The lead arm, or the other one when its probe is due."""
         p, other = self.params, 1 - self._lead
-        due = p.probe_every if self._n[other] >= p.min_steps else 3
+        due = p.probe_every if self._n[other] >= p.min_steps else max(2, p.probe_every // 2)
         if self._since_other + 1 >= due:
             return other
         return self._lead
@@ -138,6 +140,8 @@ class LearnedPolicy(TreePolicy):
             return
         p = self.model
         self._ema = p.ema_alpha * record.accepted + (1.0 - p.ema_alpha) * self._ema
+        self._saturated = record.accepted >= record.shape.nsteps
+        self._sat_ema = p.ema_alpha * self._saturated + (1.0 - p.ema_alpha) * self._sat_ema
         if not self.params.hedge:
             return
         arm, d = self._arm, self.params.decay

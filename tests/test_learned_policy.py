@@ -16,6 +16,7 @@ from adaptivespec.plugins import get_plugin_host
 from adaptivespec.policies.learned import LearnedParams, LearnedPolicy
 from adaptivespec.types import StepRecord, StepSignals, TreeShape
 
+Z = [0.0] * (len(BASIS) - 1)  # weights of every basis term but the intercept
 COST = {"fixed": 36.0, "per_context": 0.01, "per_draft_level": 1.6, "per_draft_node": 0.08, "per_verified_token": 1.0}
 
 
@@ -63,18 +64,18 @@ def test_the_shipped_fitted_files_load_and_the_policy_only_returns_declared_shap
 
 def test_the_choice_maximises_expected_tokens_per_modelled_millisecond(tmp_path):
     # (1,4,4) expects 2 tokens (1 + 1 accepted), (3,4,8) 1; (5,2,8) 4 but it costs more
-    m = ShapeModel.load(write(tmp_path, fitted(weights=[[0.0] + [0.0] * 16, [1.0] + [0.0] * 16, [3.0] + [0.0] * 16])))
+    m = ShapeModel.load(write(tmp_path, fitted(weights=[[0.0] + Z, [1.0] + Z, [3.0] + Z])))
     cost = CostModel(**COST)
     rates = [(1 + e) / cost.step_ms(s.ndt, s.nsteps - 1, (s.nsteps - 1) * s.topk, 100) for s, e in zip(m.shapes, (0, 1, 3))]
-    assert m.choose(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0), 100) == int(np.argmax(rates))
+    assert m.choose(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0), 100) == int(np.argmax(rates))
     # expected tokens are capped at the depth: a huge intercept cannot make a depth-1 tree accept 9
-    m2 = ShapeModel(fitted(shapes=((1, 4, 4),), weights=[[9.0] + [0.0] * 16], static=(1, 4, 4)))
-    assert m2.expected(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0)).tolist() == [1.0]
+    m2 = ShapeModel(fitted(shapes=((1, 4, 4),), weights=[[9.0] + Z], static=(1, 4, 4)))
+    assert m2.expected(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0)).tolist() == [1.0]
 
 
 @pytest.mark.parametrize("change, needle", [
     (lambda d: d.pop("weights"), "missing key 'weights'"),
-    (lambda d: d.update(weights=[[1.0]]), "weights: expected 3 x 17"),
+    (lambda d: d.update(weights=[[1.0]]), f"weights: expected 3 x {len(BASIS)}"),
     (lambda d: d.update(format="other/1"), "format: expected"),
     (lambda d: d.update(shapes=[[3, 4, 99], [1, 4, 4], [5, 2, 8]]), "shapes: expected"),
     (lambda d: d.update(mode="both"), "mode: expected 'head' or 'hybrid'"),
@@ -109,7 +110,7 @@ def run_hedged(pol, learned_acc, static_acc, steps=60):
 
 def test_the_hedge_falls_back_to_static_when_the_learned_choice_does_worse(tmp_path):
     # the model always picks (1,4,4) (most expected tokens per ms); measured, it accepts nothing
-    data = fitted(shapes=((1, 4, 4), (3, 4, 8)), weights=[[5.0] + [0.0] * 16, [0.0] + [0.0] * 16])
+    data = fitted(shapes=((1, 4, 4), (3, 4, 8)), weights=[[5.0] + Z, [0.0] + Z])
     pol = LearnedPolicy(LearnedParams(model=write(tmp_path, data)))
     assert pol.next_shape(sig()) == TreeShape(1, 4, 4)
     arms = run_hedged(pol, learned_acc=0, static_acc=3)

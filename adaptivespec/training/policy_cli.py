@@ -22,12 +22,13 @@ from pathlib import Path
 from adaptivespec.config import load_config
 from adaptivespec.costmodel import DEFAULT_COST_PROFILE, CostModel, resolve_profile
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.learned_model import BASIS, FEATURES
+from adaptivespec.learned_model import BASIS, FEATURES, ShapeModel
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.training.data import DATA_ROOT
 from adaptivespec.training.policy_data import DEFAULT_DATA, build_labels, load_labels, pick_prompts
 from adaptivespec.types import TreeShape
 from adaptivespec.training.policy_fit import TRAJECTORY_SHAPES, Fitter, Prompts, evaluate, fitted_file
+from adaptivespec.training.policy_plots import plot
 
 MODEL_TAG = "smollm2-135m-embedded"
 DCS_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "adaptivespec-dynamic.yaml"
@@ -42,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--data-root", type=Path, default=DATA_ROOT, help="folder of the training files")
     a("--per-file", type=int, default=20, help="prompts drawn from each file")
     a("--max-new-tokens", type=int, default=128, help="greedy tokens labelled per prompt")
-    a("--heldout-every", type=int, default=4, help="every N-th prompt is held out (card figures)")
+    a("--heldout-every", type=int, default=4, help="every N-th prompt of each file is held out (card figures)")
     a("--mode", choices=("head", "hybrid", "both"), default="both", help="which fitted files to write")
     a("--profile", help=f"cost profile (adaptivespec calibrate; default the shipped {DEFAULT_COST_PROFILE})")
     a("--max-shapes", type=int, default=8, help="most shapes in a fitted file's set (one bank executor each)")
@@ -71,8 +72,10 @@ def run(args) -> int:
         return 0
     if args.labels_only:
         return 0
-    train_p = [p for i, p in enumerate(prompts) if i % args.heldout_every != args.heldout_every - 1]
-    held_p = [p for i, p in enumerate(prompts) if i % args.heldout_every == args.heldout_every - 1]
+    # prompts come interleaved file by file: hold out every N-th prompt *of each file*
+    held_out = [(i // len(args.data)) % args.heldout_every == args.heldout_every - 1 for i in range(len(prompts))]
+    train_p = [p for p, h in zip(prompts, held_out) if not h]
+    held_p = [p for p, h in zip(prompts, held_out) if h]
     train, held = load_labels(labels_dir, train_p), load_labels(labels_dir, held_p)
     if not train or not held:
         raise AdaptiveSpecError(f"--per-file {args.per_file}: too few labelled prompts to fit and hold out "
@@ -102,7 +105,7 @@ def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: di
     f = Fitter(P, cost)
     for s in TRAJECTORY_SHAPES:
         c = P.col[TreeShape(*s)]
-        f.add_rows(lambda k, c=c: (lambda i, e, l: c))
+        f.add_rows(lambda k, c=c: (lambda i, h: c))
     f.fit()
     static = f.static_ms()
     best = int(static.argmin())
@@ -110,7 +113,7 @@ def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: di
     cols = f.select(best, args.max_shapes, log=lambda m: log(f"{mode}: {m}"))
     f.add_rows(f.chooser(cols))  # DAgger: the policy's own histories
     f.fit()
-    train_ms = f.replay_ms(cols)
+    train_ms = f.tune_offsets(cols)
     name = f"learned-{MODEL_TAG}.json" if mode == "head" else f"learned-hybrid-{MODEL_TAG}.json"
     meta = {"model": MODEL_TAG, "data": {k: v for k, v in data.items() if not k.endswith("prompts")},
             "train_vs_best_static": float(static[best] / train_ms)}
@@ -122,9 +125,10 @@ def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: di
     fig = evaluate(H, cost, fitted, H.col[P.shapes[best]], dcs)
     fitted["heldout"] = {k: fig[k]["vs_ref"] for k in fig if isinstance(fig[k], dict) and "vs_ref" in fig[k]}
     (args.out / name).write_text(json.dumps(fitted, indent=1) + "\n")
+    plots = [p.name for p in plot(H, cost, ShapeModel(fitted, name), P.shapes[best], args.out, mode)]
     log(f"{mode}: held out: learned {fig['learned']['vs_ref']:.3f}x the best static, oracle {fig['oracle']['vs_ref']:.3f}x "
         f"({time.time() - t0:.0f} s); wrote {args.out / name}")
-    return {"file": name, "shapes": fitted["shapes"], "static": fitted["static"],
+    return {"file": name, "shapes": fitted["shapes"], "static": fitted["static"], "plots": plots,
             "train_vs_best_static": meta["train_vs_best_static"], "heldout": fig}
 
 
@@ -147,6 +151,7 @@ def card_markdown(card: dict) -> str:
             if isinstance(v, dict) and "tok_per_s" in v:
                 label = f"{k} {v.get('shape', '')}".strip()
                 lines.append(f"| {label} | {v['tok_per_s']:.1f} | {v.get('vs_ref', 1.0):.3f}x |")
+        lines += [""] + [f"![{p}]({p})" for p in m["plots"]]
         lines += ["", f"Decision cost: {h['learned']['decide_us']:.1f} µs per step (replay, this machine); "
                   f"shapes used (held out): {h['learned']['shapes_used']}", ""]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,9 @@ the fitted policy's own schedule.
 2. Shape set: greedy forward selection from the best static shape: add the shape whose addition
    most shortens the replayed time of the training prompts (a shape is one executor in the bank,
    so the set stays small), until no shape gains 0.3% or ``max_shapes`` is reached.
-3. Refit on rows of the policy's own schedule; replay it (the real :class:`LearnedPolicy`, hedge
+3. Refit on rows of the policy's own schedule, then tune one intercept offset per shape of the
+   set directly on the replayed time (coordinate descent: the regression's errors matter only
+   where they change a choice); replay it (the real :class:`LearnedPolicy`, hedge
    on and off) on the held-out prompts beside static shapes, the shipped DCS config and the oracle.
 
 Times come from the calibrated cost model (``adaptivespec calibrate``), as the policy prices shapes.
@@ -73,22 +75,32 @@ class Prompts:
                            source_nodes=int(it["nodes"][i]), source_top=float(it["top"][i]))
 
 
-def walk(P: Prompts, it: dict, choose: Callable[[int, float, int], int], T: np.ndarray) -> tuple[float, list]:
-    """Replay one prompt: ``choose(i, ema, last)`` -> column; returns total ms and per-step
-    ``(position, column, accepted, ema, last)``."""
-    i, total, ema, last, steps, N = 0, 0.0, EMA_INIT, -1, [], it["A"].shape[0]
+HIST0 = (EMA_INIT, -1, False, 0.0)
+"""History before the first step: (accepted EMA, last accepted, last step saturated, saturation EMA)."""
+
+
+def advance(hist: tuple, a: int, depth: int) -> tuple:
+    """The history after a step of ``depth`` levels that accepted ``a`` tokens (as the policy keeps it)."""
+    sat = a >= depth
+    return (EMA_ALPHA * a + (1 - EMA_ALPHA) * hist[0], a, sat, EMA_ALPHA * sat + (1 - EMA_ALPHA) * hist[3])
+
+
+def walk(P: Prompts, it: dict, choose: Callable[[int, tuple], int], T: np.ndarray) -> tuple[float, list]:
+    """Replay one prompt: ``choose(i, history)`` -> column; returns total ms and per-step
+    ``(position, column, accepted, history)``."""
+    i, total, hist, steps, N = 0, 0.0, HIST0, [], it["A"].shape[0]
     while i < N:
-        c = choose(i, ema, last)
+        c = choose(i, hist)
         a = int(it["A"][i, c])
         total += T[i, c]
-        steps.append((i, c, a, ema, last))
-        ema, last, i = EMA_ALPHA * a + (1 - EMA_ALPHA) * ema, a, i + a + 1
+        steps.append((i, c, a, hist))
+        hist, i = advance(hist, a, P.shapes[c].nsteps), i + a + 1
     return total, steps
 
 
-def phi_at(it: dict, i: int, ema: float, last: int) -> list[float]:
-    return basis(float(it["p1"][i]), float(it["ent"][i]), ema, last, float(it["ctx"][i]), int(it["match"][i]),
-                 int(it["nodes"][i]), float(it["top"][i]))
+def phi_at(it: dict, i: int, hist: tuple) -> list[float]:
+    return basis(float(it["p1"][i]), float(it["ent"][i]), hist[0], hist[1], float(it["ctx"][i]), int(it["match"][i]),
+                 int(it["nodes"][i]), float(it["top"][i]), hist[2], hist[3])
 
 
 def rows_along(it: dict, steps: list) -> tuple[list, np.ndarray]:
@@ -97,7 +109,7 @@ def rows_along(it: dict, steps: list) -> tuple[list, np.ndarray]:
     for i in range(it["A"].shape[0]):
         while k + 1 < len(steps) and steps[k + 1][0] <= i:
             k += 1
-        X.append(phi_at(it, i, steps[k][3], steps[k][4]))
+        X.append(phi_at(it, i, steps[k][3]))
     return X, it["A"]
 
 
@@ -134,8 +146,8 @@ class Fitter:
         def for_prompt(k: int):
             it, T = self.P.items[k], self.T[k]
 
-            def choose(i, ema, last):
-                e = np.clip(np.asarray(phi_at(it, i, ema, last)) @ W, 0.0, depth)
+            def choose(i, hist):
+                e = np.clip(np.asarray(phi_at(it, i, hist)) @ W, 0.0, depth)
                 return cols[int(np.argmax((1.0 + e) / T[i, cols]))]
             return choose
         return for_prompt
@@ -144,12 +156,30 @@ class Fitter:
         ch = self.chooser(cols)
         return sum(walk(self.P, it, ch(k), self.T[k])[0] for k, it in enumerate(self.P.items))
 
+    def tune_offsets(self, cols: list[int], grid=(-1.0, -0.5, -0.25, 0.25, 0.5, 1.0), sweeps: int = 2) -> float:
+        """Decision-aware correction: per shape of ``cols``, the intercept offset (added to its
+        expected tokens) that most shortens the replayed time, by coordinate descent; returns the time."""
+        cur = self.replay_ms(cols)
+        for _ in range(sweeps):
+            improved = False
+            for c in cols:
+                base = keep = self.W[0, c]
+                for g in grid:
+                    self.W[0, c] = base + g
+                    t = self.replay_ms(cols)
+                    if t < cur * (1 - 1e-4):
+                        cur, keep, improved = t, base + g, True
+                self.W[0, c] = keep
+            if not improved:
+                break
+        return cur
+
     def static_ms(self) -> np.ndarray:
         """[S] total ms of every static shape over the prompts."""
         out = np.zeros(len(self.P.shapes))
         for k, it in enumerate(self.P.items):
             for c in range(len(out)):
-                out[c] += walk(self.P, it, lambda i, e, l, c=c: c, self.T[k])[0]
+                out[c] += walk(self.P, it, lambda i, h, c=c: c, self.T[k])[0]
         return out
 
     def select(self, start: int, max_shapes: int, min_gain: float = 0.003, log=print) -> list[int]:
@@ -173,15 +203,19 @@ def fitted_file(P: Prompts, fitter: Fitter, cols: list[int], static: int, cost: 
             "extra_slots": P.extra_slots if P.mode == "hybrid" else 0, **meta}
 
 
-def replay_policy(policy, P: Prompts, cost: CostModel) -> dict[str, Any]:
-    """Replay a tree policy object step by step on the labels (signals in, records out)."""
+def replay_policy(policy, P: Prompts, cost: CostModel, on_step: Callable | None = None) -> dict[str, Any]:
+    """Replay a tree policy object step by step on the labels (signals in, records out);
+    ``on_step(prompt index, signals, shape, accepted)`` sees every step."""
     total, steps, chosen = 0.0, 0, {}
-    for it in P.items:
+    for k, it in enumerate(P.items):
         policy.reset()
         i, step, last, N = 0, 0, -1, it["A"].shape[0]
         while i < N:
-            shape = policy.next_shape(P.signals(it, i, step, last))
+            signals = P.signals(it, i, step, last)
+            shape = policy.next_shape(signals)
             a = int(it["A"][i, P.col[shape]])
+            if on_step is not None:
+                on_step(k, signals, shape, a)
             m = min(int(it["nodes"][i]), P.extra_slots) if P.mode == "hybrid" else 0
             total += cost.step_ms(shape.ndt + m, shape.nsteps - 1, (shape.nsteps - 1) * shape.topk, float(it["ctx"][i]))
             policy.observe(StepRecord(step=step, shape=shape, tree_size=shape.ndt, accepted=a, promoted=0, new_tokens=a + 1,
@@ -226,8 +260,16 @@ def evaluate(P: Prompts, cost: CostModel, model: dict, train_static: int, dcs_po
 
 def oracle_ms(acc: list[dict], T: np.ndarray, cols: list[int]) -> float:
     """The per-step oracle's total ms over one prompt (context-dependent step times)."""
+    return oracle_path(acc, T, cols)[0]
+
+
+def oracle_path(acc: list[dict], T: np.ndarray, cols: list[int]) -> tuple[float, int]:
+    """The per-step oracle's total ms and number of steps over one prompt (dynamic programming
+    from the end: it knows the future, a bound no policy reaches)."""
     N = len(acc)
-    f = [0.0] * (N + 1)
+    f, steps = [0.0] * (N + 1), [0] * (N + 1)
     for i in range(N - 1, -1, -1):
-        f[i] = min(T[i, c] + f[min(N, i + acc[i][c] + 1)] for c in cols)
-    return f[0]
+        c = min(cols, key=lambda c: T[i, c] + f[min(N, i + acc[i][c] + 1)])
+        nxt = min(N, i + acc[i][c] + 1)
+        f[i], steps[i] = T[i, c] + f[nxt], 1 + steps[nxt]
+    return f[0], steps[0]
