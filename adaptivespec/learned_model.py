@@ -28,27 +28,28 @@ from adaptivespec.costmodel import COST_TERMS, PROFILE_DIR, CostModel
 from adaptivespec.types import TreeShape
 
 FORMAT = "adaptivespec-learned-policy/1"
-FEATURES = ("p1", "entropy", "ema", "last", "context", "src_match", "src_nodes", "src_top", "saturated", "saturated_ema")
-"""What the model reads: the draft's top-1 probability and entropy (nats) at the root, the
+FEATURES = ("p1", "entropy", "top4", "ema", "last", "context", "src_match", "src_nodes", "src_top", "saturated", "saturated_ema")
+"""What the model reads: the draft's top-1 probability, entropy (nats) and top-4 probability at the root, the
 accepted-length EMA and the last accepted length (-1 before the first step), committed positions,
 the candidate sources' longest suffix match, node count and best root-child score, and whether the
 last step accepted its whole depth (and the EMA of that: the trees were too shallow)."""
 BASIS = ("1", "p1", "p1^2", "h", "h^2", "p1*h", "e", "e^2", "p1*e", "l", "last=0", "first", "log_ctx",
-         "match", "has_src", "src_top", "match*p1", "sat", "sat_ema", "p1*sat_ema")
+         "match", "has_src", "src_top", "match*p1", "sat", "sat_ema", "p1*sat_ema", "t4", "t4-p1", "(t4-p1)*e")
 DEFAULT_MODEL = "learned-smollm2-135m-embedded.json"
 """The shipped fitted file of the embedded pair (head only) in :data:`PROFILE_DIR`."""
 
 
 def basis(p1: float, entropy: float, ema: float, last: int, context: float, src_match: int, src_nodes: int,
-          src_top: float, saturated: bool, saturated_ema: float) -> list[float]:
+          src_top: float, saturated: bool, saturated_ema: float, top4: float) -> list[float]:
     """``phi(x)``: the model's inputs, each scaled to about [0, 1] (names in :data:`BASIS`)."""
     p1 = min(max(p1, 0.0), 1.0) if p1 == p1 else 0.0
+    t4 = min(max(top4, p1), 1.0) if top4 == top4 else p1
     h = min(max(entropy, 0.0), 8.0) / 8.0
     e = min(max(ema, 0.0), 6.0) / 6.0
     lc = math.log1p(max(context, 0.0)) / 8.0
     m = min(src_match, 8) / 8.0
     return [1.0, p1, p1 * p1, h, h * h, p1 * h, e, e * e, p1 * e, min(max(last, 0), 6) / 6.0,
-            float(last == 0), float(last < 0), lc, m, float(src_nodes > 0), min(max(src_top, 0.0), 1.0), m * p1, float(saturated), saturated_ema, p1 * saturated_ema]
+            float(last == 0), float(last < 0), lc, m, float(src_nodes > 0), min(max(src_top, 0.0), 1.0), m * p1, float(saturated), saturated_ema, p1 * saturated_ema, t4, t4 - p1, (t4 - p1) * e]
 
 
 def resolve(name: str | None) -> Path:

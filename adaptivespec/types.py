@@ -109,6 +109,8 @@ class StepSignals:
     draft_entropy: float = 0.0
     """Entropy (nats) of the draft's distribution of the first token below the root (read with
     ``draft_top1_prob`` in one host sync; 0 where the caller does not know)."""
+    draft_top4_prob: float = 0.0
+    """Draft probability of the four most likely first tokens together (same sync; 0: unknown)."""
     source_match: int = 0
     """Longest suffix match any candidate source's proposal came from (0: no proposal)."""
     source_nodes: int = 0

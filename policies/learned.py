@@ -2,8 +2,9 @@
 
 The model (:class:`~adaptivespec.learned_model.ShapeModel`, fitted by ``adaptivespec
 train-policy`` on counterfactual labels of training prompts) reads what is known before drafting
-(the draft's top-1 probability and entropy at the root, the accepted-length EMA, the last accepted
-length, the context length, the candidate sources' match) and picks, among its shape set, the
+(the draft's top-1 probability, entropy and top-4 probability at the root, the accepted-length EMA,
+the last accepted length and whether it filled the tree's depth, the context length, the candidate
+sources' match) and picks, among its shape set, the
 shape with the most expected tokens per modelled millisecond. The choice is pure: every shape is
 verified by the same verifier, so the policy is lossless.
 
@@ -108,7 +109,7 @@ class LearnedPolicy(TreePolicy):
         m = self.model
         phi = basis(signals.draft_top1_prob, signals.draft_entropy, self._ema, signals.last_accepted,
                     signals.context, signals.source_match, signals.source_nodes, signals.source_top,
-                    self._saturated, self._sat_ema)
+                    self._saturated, self._sat_ema, signals.draft_top4_prob)
         ms = m.step_ms(signals.context, signals.source_nodes)
         score = (1.0 + m.expected(phi)) / ms
         i = int(score.argmax())

@@ -67,10 +67,10 @@ def test_the_choice_maximises_expected_tokens_per_modelled_millisecond(tmp_path)
     m = ShapeModel.load(write(tmp_path, fitted(weights=[[0.0] + Z, [1.0] + Z, [3.0] + Z])))
     cost = CostModel(**COST)
     rates = [(1 + e) / cost.step_ms(s.ndt, s.nsteps - 1, (s.nsteps - 1) * s.topk, 100) for s, e in zip(m.shapes, (0, 1, 3))]
-    assert m.choose(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0), 100) == int(np.argmax(rates))
+    assert m.choose(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0, 0.8), 100) == int(np.argmax(rates))
     # expected tokens are capped at the depth: a huge intercept cannot make a depth-1 tree accept 9
     m2 = ShapeModel(fitted(shapes=((1, 4, 4),), weights=[[9.0] + Z], static=(1, 4, 4)))
-    assert m2.expected(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0)).tolist() == [1.0]
+    assert m2.expected(basis(0.5, 1.0, 1.5, -1, 100, 0, 0, 0.0, False, 0.0, 0.8)).tolist() == [1.0]
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -142,7 +142,7 @@ def test_train_policy_cli_fits_and_writes_a_card_on_a_tiny_slice(tmp_path, capsy
         # deeper trees accept more when the draft is confident
         acc = torch.stack([torch.clamp((p1 * (s.nsteps + s.topk / 4)).round(), max=s.nsteps) for s in shapes], 1)
         torch.save({"id": p.id, "kind": "train", "prompt_len": 30, "tokens": n + 1, "shapes": [[s.nsteps, s.topk, s.ndt] for s in shapes],
-                    "acc": acc.to(torch.int8), "p1": p1, "entropy": 3 * (1 - p1), "src_match": torch.zeros(n, dtype=torch.int16),
+                    "acc": acc.to(torch.int8), "p1": p1, "entropy": 3 * (1 - p1), "top4": (p1 + 0.2).clamp(max=1), "src_match": torch.zeros(n, dtype=torch.int16),
                     "src_nodes": torch.zeros(n, dtype=torch.int16), "src_top": torch.zeros(n), "src_acc": torch.zeros(n, dtype=torch.int8),
                     "selfcheck": [1, 1]}, out / "labels" / f"{p.id}.pt")
     rc = main(["train-policy", "--out", str(out), "--data", str(data), "--per-file", "12", "--mode", "head",

@@ -218,7 +218,8 @@ def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape]
     every shape of ``shapes`` would accept there are read off the continuation ``Y[j+1:]``.
 
     Returns ``acc`` (per position, shape -> accepted), ``p1`` (the draft's top-1 probability at the
-    root), ``entropy`` (of the draft's distribution at the root, nats) and ``trees`` (branching ->
+    root), ``entropy`` (of the draft's distribution at the root, nats), ``top4`` (its four most
+    likely tokens' probability) and ``trees`` (branching ->
     per position :func:`tree_record`). ``on_position(j)`` (optional) is called after each position.
     The runtime's bank must hold the ``full`` shapes (``runtime.prepare``)."""
     rt, d = eng.runtime, eng.runtime.drafter
@@ -230,7 +231,7 @@ def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape]
     d.reset_cache(capacity=L + 2048)
     outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)  # position i: (token[i+1], state[i])
     saved_k, saved_v = d._k.clone(), d._v.clone()
-    acc, p1, ent = [], [], []
+    acc, p1, ent, top4 = [], [], [], []
     trees: dict[int, list] = {k: [] for k in full}
     for j in range(len(Y) - 1):
         P = len(ids) + j
@@ -238,10 +239,10 @@ def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape]
         rt.P, rt.root = P, seq[0, P]
         rt.root_state = outs[P - 1]
         rt.root_logp = d.log_probs(outs[P - 1])
-        lp = rt.root_logp.float()
-        top, h = torch.stack([lp.max().exp(), -(lp.exp() * lp).sum()]).tolist()
+        top, h, t4 = root_stats(rt.root_logp.float())
         p1.append(top)
         ent.append(h)
+        top4.append(t4)
         cont = seq[0, P + 1 :]
         a = {}
         for k, big in full.items():
@@ -254,7 +255,12 @@ def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape]
         acc.append(a)
         if on_position is not None:
             on_position(j)
-    return {"acc": acc, "p1": p1, "entropy": ent, "trees": trees}
+    return {"acc": acc, "p1": p1, "entropy": ent, "top4": top4, "trees": trees}
+
+
+def root_stats(lp: torch.Tensor) -> list[float]:
+    """Top-1 probability, entropy (nats) and top-4 probability of draft log-probabilities ``lp`` [Vd]."""
+    return torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()
 
 
 def measure(args, shapes):

@@ -25,7 +25,7 @@ from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.learned_model import BASIS, FEATURES, ShapeModel
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.training.data import DATA_ROOT
-from adaptivespec.training.policy_data import DEFAULT_DATA, build_labels, load_labels, pick_prompts
+from adaptivespec.training.policy_data import DEFAULT_DATA, build_labels, kind_of, load_labels, pick_prompts
 from adaptivespec.types import TreeShape
 from adaptivespec.training.policy_fit import TRAJECTORY_SHAPES, Fitter, Prompts, evaluate, fitted_file
 from adaptivespec.training.policy_plots import plot
@@ -39,9 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--out", required=True, type=Path, help="output folder (labels/, fitted files, card)")
-    a("--data", nargs="+", default=list(DEFAULT_DATA), help="training prompt files (jsonl; relative to --data-root or paths)")
+    a("--data", nargs="+", default=list(DEFAULT_DATA), help="training prompts: 'reserved' (the broad-mix prompts the head "
+      "never saw, corpus/reserved-ids.txt) and/or jsonl files (relative to --data-root, or paths)")
     a("--data-root", type=Path, default=DATA_ROOT, help="folder of the training files")
-    a("--per-file", type=int, default=20, help="prompts drawn from each file")
+    a("--per-file", type=int, default=20, help="prompts drawn from each file (reserved: from each kind)")
     a("--max-new-tokens", type=int, default=128, help="greedy tokens labelled per prompt")
     a("--heldout-every", type=int, default=4, help="every N-th prompt of each file is held out (card figures)")
     a("--mode", choices=("head", "hybrid", "both"), default="both", help="which fitted files to write")
@@ -72,8 +73,10 @@ def run(args) -> int:
         return 0
     if args.labels_only:
         return 0
-    # prompts come interleaved file by file: hold out every N-th prompt *of each file*
-    held_out = [(i // len(args.data)) % args.heldout_every == args.heldout_every - 1 for i in range(len(prompts))]
+    held_out, seen = [], {}  # every N-th prompt of each kind
+    for p in prompts:
+        seen[kind_of(p.id)] = n = seen.get(kind_of(p.id), 0) + 1
+        held_out.append(n % args.heldout_every == 0)
     train_p = [p for p, h in zip(prompts, held_out) if not h]
     held_p = [p for p, h in zip(prompts, held_out) if h]
     train, held = load_labels(labels_dir, train_p), load_labels(labels_dir, held_p)

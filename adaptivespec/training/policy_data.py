@@ -11,9 +11,12 @@ would accept (``src_acc``: a hybrid step accepts ``max(head's, source's)``).
 
 One ``.pt`` file per prompt under the labels folder (resumable: a prompt with a file is skipped)::
 
-    {"id", "kind", "prompt_len", "tokens", "shapes": [[nsteps, topk, ndt], ...],
-     "acc": int8 [positions, shapes], "p1", "entropy", "src_match", "src_nodes", "src_top", "src_acc",
-     "selfcheck": [steps compared, steps equal]}
+    {"id", "kind", "prompt_len", "tokens", "ids", "output", "shapes": [[nsteps, topk, ndt], ...],
+     "acc": int8 [positions, shapes], "p1", "entropy", "top4", "src_match", "src_nodes", "src_top",
+     "src_acc", "selfcheck": [steps compared, steps equal]}
+
+Labels written before ``top4`` existed are completed by :func:`backfill` (the greedy output is
+regenerated, which bfloat16 decoding with the same engine reproduces, and checked by length).
 """
 
 from __future__ import annotations
@@ -25,15 +28,22 @@ from typing import Callable
 
 import torch
 
-from adaptivespec.analysis.shape_oracle import teacher_forced
+from adaptivespec.analysis.shape_oracle import root_stats, teacher_forced
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.training.data import DATA_ROOT, Prompt, check_not_eval
+from adaptivespec.training.mix import KINDS, build_mix, parse_mix
+from adaptivespec.training.mix import kind_of as mix_kind
 from adaptivespec.types import CandidateTrie, TreeShape
 
-DEFAULT_DATA = ("train/alpaca_prompts.jsonl", "train/code_alpaca.jsonl", "train/mbpp_nontest.jsonl",
-                "train/t0_context_prompts.jsonl")
-"""Training prompt files (relative to the data root): instruct, code, code with tests, context QA."""
+RESERVED = "reserved"
+"""``--data reserved``: the broad-mix prompts of ``corpus/reserved-ids.txt``, training-split prompts
+of seven kinds (code, instruct, math, qa, rag, summarize, translate) that the shipped head was never
+distilled or trained on (its acceptance there is what unseen prompts get); one pool per kind."""
+RESERVED_IDS = Path(__file__).resolve().parents[2] / "corpus" / "reserved-ids.txt"
+DEFAULT_DATA = (RESERVED,)
+"""Default prompts. Files work too (jsonl, relative to the data root), e.g. train/alpaca_prompts.jsonl;
+but prompts the head was trained on overstate its acceptance."""
 BRANCHING = (1, 2, 3, 4)
 DEPTH = 6
 MAX_NDT = 16
@@ -63,11 +73,15 @@ def _text(row: dict) -> str:
 
 
 def pick_prompts(files: list[str], per_file: int, root: Path = DATA_ROOT, seed: int = 20261204,
-                 max_chars: int = 2400) -> list[Prompt]:
-    """``per_file`` prompts drawn (seeded) from each training file, interleaved file by file, so that
-    any prefix or tail slice mixes the kinds. Evaluation sets are refused."""
+                 max_chars: int = 4000) -> list[Prompt]:
+    """``per_file`` prompts drawn (seeded) from each training file (``reserved``: the first of each
+    kind), interleaved pool by pool, so that any prefix or tail slice mixes the kinds. Evaluation
+    sets are refused."""
     pools = []
     for spec in files:
+        if spec == RESERVED:
+            pools += [[p for p in pool if len(p.text) <= max_chars][:per_file] for pool in reserved_pools(root)]
+            continue
         path = Path(spec) if Path(spec).is_file() else root / spec
         if not path.is_file():
             raise AdaptiveSpecError(f"--data: {spec!r} is not a file (nor under {root}); expected a jsonl of training prompts")
@@ -79,9 +93,25 @@ def pick_prompts(files: list[str], per_file: int, root: Path = DATA_ROOT, seed: 
     return [p for group in zip(*pools) for p in group]
 
 
+def reserved_pools(root: Path = DATA_ROOT) -> list[list[Prompt]]:
+    """The reserved broad-mix prompts (:data:`RESERVED`), one list per kind, in the ids file's order."""
+    if not RESERVED_IDS.is_file():
+        raise AdaptiveSpecError(f"--data reserved: {RESERVED_IDS} not found (a source checkout holds it); "
+                                "expected it, or give jsonl files of training prompts")
+    ids = RESERVED_IDS.read_text().split()
+    by_id = {p.id: p for p in build_mix(20000, parse_mix(None), root, seed=20261129)}  # the head's corpus draw
+    pools: dict[str, list[Prompt]] = {}
+    for i in ids:
+        if i in by_id:
+            pools.setdefault(mix_kind(i), []).append(by_id[i])
+    return [pools[k] for k in sorted(pools)]
+
+
 def kind_of(prompt_id: str) -> str:
-    """The training file a prompt id came from (``alpaca_prompts-12`` -> ``alpaca_prompts``)."""
-    return prompt_id.rsplit("-", 1)[0]
+    """The kind of a prompt: its broad-mix kind (``qa-t0-duorc-2274`` -> ``qa``), else the training
+    file it came from (``alpaca_prompts-12`` -> ``alpaca_prompts``)."""
+    kind = prompt_id.split("-", 1)[0]
+    return kind if kind in KINDS else prompt_id.rsplit("-", 1)[0]
 
 
 def trie_accepted(trie: CandidateTrie | None, cont: list[int]) -> int:
@@ -146,9 +176,9 @@ def label_one(eng, full: dict, shapes: list[TreeShape], prompt: Prompt, max_new_
         checked[0] += 1
         checked[1] += int(acc[i, col[rec.shape]]) == rec.accepted
         i += rec.accepted + 1
-    return {"id": prompt.id, "kind": kind_of(prompt.id), "prompt_len": len(ids), "tokens": len(Y),
+    return {"id": prompt.id, "kind": kind_of(prompt.id), "prompt_len": len(ids), "tokens": len(Y), "ids": ids, "output": Y,
             "shapes": [[s.nsteps, s.topk, s.ndt] for s in shapes], "acc": acc,
-            "p1": torch.tensor(tf["p1"]), "entropy": torch.tensor(tf["entropy"]),
+            "p1": torch.tensor(tf["p1"]), "entropy": torch.tensor(tf["entropy"]), "top4": torch.tensor(tf["top4"]),
             "src_match": torch.tensor(match, dtype=torch.int16), "src_nodes": torch.tensor(nodes, dtype=torch.int16),
             "src_top": torch.tensor(top), "src_acc": torch.tensor(sacc, dtype=torch.int8), "selfcheck": checked}
 
@@ -187,6 +217,47 @@ def build_labels(folder: Path, prompts: list[Prompt], max_new_tokens: int, *, pr
             on_done(lab)
     bar.close()
     return done
+
+
+def root_features(eng, ids: list[int], Y: list[int]) -> torch.Tensor:
+    """[len(Y) - 1, 3] top-1 probability, entropy and top-4 probability of the draft at every
+    teacher-forced root of ``ids + Y`` (one target forward and one drafter pass, no drafting)."""
+    d = eng.runtime.drafter
+    seq = torch.tensor([ids + Y])
+    with torch.inference_mode():
+        out = eng.target(input_ids=seq, output_hidden_states=True, logits_to_keep=1)
+        state = d.fuse(out.hidden_states)[0]
+        L = seq.shape[1]
+        d.reset_cache(capacity=L + 64)
+        outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)
+        rows = [root_stats(d.log_probs(outs[len(ids) + j - 1]).float()) for j in range(len(Y) - 1)]
+    return torch.tensor(rows)
+
+
+def backfill(folder: Path, prompts: list[Prompt], max_new_tokens: int, *, progress: bool = True) -> int:
+    """Add ``top4`` (and the token ids) to labels written without them; returns how many."""
+    from tqdm import tqdm
+
+    old = [p for p in prompts if label_path(folder, p).is_file()
+           and "top4" not in (lab := torch.load(label_path(folder, p), weights_only=False)) and not lab.get("empty")]
+    if not old:
+        return 0
+    eng, _ = labelling_engine()
+    for p in tqdm(old, desc="backfill", unit="prompt", disable=not progress):
+        lab = torch.load(label_path(folder, p), weights_only=False)
+        ids = eng.encode(p.text)
+        with torch.inference_mode():
+            Y = eng.generate_ids(ids, max_new_tokens=max_new_tokens).token_ids
+        if len(Y) != lab["tokens"] or len(ids) != lab["prompt_len"]:
+            raise AdaptiveSpecError(f"labels {p.id}: the regenerated output differs ({len(Y)} tokens, labelled "
+                                    f"{lab['tokens']}); delete {label_path(folder, p)} and relabel it")
+        feats = root_features(eng, ids, Y)
+        if float((feats[:, 0] - lab["p1"]).abs().max()) > 1e-3:
+            raise AdaptiveSpecError(f"labels {p.id}: the regenerated roots differ from the labelled ones; "
+                                    f"delete {label_path(folder, p)} and relabel it")
+        lab.update(ids=ids, output=Y, top4=feats[:, 2])
+        torch.save(lab, label_path(folder, p))
+    return len(old)
 
 
 def load_labels(folder: Path, prompts: list[Prompt] | None = None) -> list[dict]:

@@ -51,7 +51,7 @@ class Prompts:
             sacc = lab["src_acc"].numpy().astype(np.int64) if src else np.zeros(n, np.int64)
             self.items.append({
                 "id": lab["id"], "kind": lab["kind"], "A": np.maximum(A, sacc[:, None]),
-                "p1": lab["p1"].numpy(), "ent": lab["entropy"].numpy(), "ctx": lab["prompt_len"] + np.arange(n),
+                "p1": lab["p1"].numpy(), "ent": lab["entropy"].numpy(), "top4": lab["top4"].numpy(), "ctx": lab["prompt_len"] + np.arange(n),
                 "match": lab["src_match"].numpy() if src else np.zeros(n, np.int64),
                 "nodes": lab["src_nodes"].numpy() if src else np.zeros(n, np.int64),
                 "top": lab["src_top"].numpy() if src else np.zeros(n)})
@@ -71,7 +71,7 @@ class Prompts:
 
     def signals(self, it: dict, i: int, step: int, last: int) -> StepSignals:
         return StepSignals(step=step, draft_top1_prob=float(it["p1"][i]), last_accepted=last, context=int(it["ctx"][i]),
-                           draft_entropy=float(it["ent"][i]), source_match=int(it["match"][i]),
+                           draft_entropy=float(it["ent"][i]), draft_top4_prob=float(it["top4"][i]), source_match=int(it["match"][i]),
                            source_nodes=int(it["nodes"][i]), source_top=float(it["top"][i]))
 
 
@@ -100,7 +100,7 @@ def walk(P: Prompts, it: dict, choose: Callable[[int, tuple], int], T: np.ndarra
 
 def phi_at(it: dict, i: int, hist: tuple) -> list[float]:
     return basis(float(it["p1"][i]), float(it["ent"][i]), hist[0], hist[1], float(it["ctx"][i]), int(it["match"][i]),
-                 int(it["nodes"][i]), float(it["top"][i]), hist[2], hist[3])
+                 int(it["nodes"][i]), float(it["top"][i]), hist[2], hist[3], float(it["top4"][i]))
 
 
 def rows_along(it: dict, steps: list) -> tuple[list, np.ndarray]:
@@ -206,7 +206,7 @@ def fitted_file(P: Prompts, fitter: Fitter, cols: list[int], static: int, cost: 
 def replay_policy(policy, P: Prompts, cost: CostModel, on_step: Callable | None = None) -> dict[str, Any]:
     """Replay a tree policy object step by step on the labels (signals in, records out);
     ``on_step(prompt index, signals, shape, accepted)`` sees every step."""
-    total, steps, chosen = 0.0, 0, {}
+    total, chosen = 0.0, {}
     for k, it in enumerate(P.items):
         policy.reset()
         i, step, last, N = 0, 0, -1, it["A"].shape[0]
