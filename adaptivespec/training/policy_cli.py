@@ -139,7 +139,7 @@ def card_markdown(card: dict) -> str:
     d = card["data"]
     lines = ["# Learned tree-shape policy: card", "",
              f"Data: {len(d['train_prompts'])} training + {len(d['heldout_prompts'])} held-out prompts "
-             f"({d['per_file']} per file of {', '.join(d['files'])}), {d['max_new_tokens']} greedy tokens each, "
+             f"({d['per_file']} per file or kind of {', '.join(d['files'])}), {d['max_new_tokens']} greedy tokens each, "
              f"{d['train_positions']} + {d['heldout_positions']} positions, {d['labelled_shapes']} shapes labelled; "
              f"labels' self-check: {d['selfcheck_steps_equal'][1]}/{d['selfcheck_steps_equal'][0]} decoded steps predicted exactly. "
              f"Cost model: {d['cost_profile']}.", "",
@@ -149,11 +149,12 @@ def card_markdown(card: dict) -> str:
         lines += [f"## {mode} ({m['file']})", "",
                   f"Shapes: {', '.join(map(str, map(tuple, m['shapes'])))}; static (hedge): {tuple(m['static'])}; "
                   f"in-sample {m['train_vs_best_static']:.3f}x the best static.", "",
-                  "| held out | tok/s (modelled) | vs best static (train-chosen) |", "|---|---|---|"]
+                  "| held out | tok/s (modelled) | vs best static (train-chosen) | vs (3,4,8) |", "|---|---|---|---|"]
+        e3 = h["eagle3_static"]["tok_per_s"]
         for k, v in h.items():
             if isinstance(v, dict) and "tok_per_s" in v:
                 label = f"{k} {v.get('shape', '')}".strip()
-                lines.append(f"| {label} | {v['tok_per_s']:.1f} | {v.get('vs_ref', 1.0):.3f}x |")
+                lines.append(f"| {label} | {v['tok_per_s']:.1f} | {v.get('vs_ref', 1.0):.3f}x | {v['tok_per_s'] / e3:.3f}x |")
         lines += [""] + [f"![{p}]({p})" for p in m["plots"]]
         lines += ["", f"Decision cost: {h['learned']['decide_us']:.1f} µs per step (replay, this machine); "
                   f"shapes used (held out): {h['learned']['shapes_used']}", ""]
