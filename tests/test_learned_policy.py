@@ -156,7 +156,9 @@ def test_train_policy_cli_fits_and_writes_a_card_on_a_tiny_slice(tmp_path, capsy
     assert fig["oracle"]["vs_ref"] >= fig["learned_no_hedge"]["vs_ref"]
     m = ShapeModel.load(str(out / "learned-smollm2-135m-embedded.json"))
     assert 1 <= len(m.shapes) <= 3
-    assert "held out" in (out / "card.md").read_text()
+    md = (out / "card.md").read_text()
+    assert "held out" in md and "![head-choices.png](head-choices.png)" in md
+    assert (out / "head-choices.png").stat().st_size > 1000 and (out / "head-vs_oracle.png").stat().st_size > 1000
 
 
 def test_train_policy_refuses_an_evaluation_set(tmp_path, capsys):
