@@ -19,6 +19,7 @@ from adaptivespec.errors import AdaptiveSpecError
 # ``func`` through ``set_defaults``). A module missing from a partial installation is skipped.
 EXTRA_COMMANDS = [
     ("adaptivespec.training.cli", "add_parser"),
+    ("adaptivespec.training.policy_cli", "add_parser"),
     ("adaptivespec.evaluation.cli", "add_bench_parser"),
     ("adaptivespec.evaluation.cli", "add_sweep_parser"),
     ("adaptivespec.sglang.serve", "add_serve_parser"),

@@ -34,6 +34,7 @@ BUILTIN_PLUGINS = {
     "static": "adaptivespec.policies.static",
     "dcs": "adaptivespec.policies.dcs",
     "cost_aware": "adaptivespec.policies.cost_aware",
+    "learned": "adaptivespec.policies.learned",
     "strict": "adaptivespec.verifiers.strict",
     "margin": "adaptivespec.verifiers.margin",
     "eagle3": "adaptivespec.drafter",

@@ -109,9 +109,11 @@ class Proposer:
         source gave a child of the root (0 when none proposed)."""
         rt = self.runtime
         self._tries = tries = [s.propose() for s in self.sources]
-        top1 = rt.draft_top1_prob() if rt.drafter is not None else max(
-            (s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
-        return StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted, context=int(getattr(rt, "P", 0)))
+        src_top = max((s for t in tries if t for s, p in zip(t.scores, t.parents) if p < 0), default=0.0)
+        top1, entropy, top4 = rt.draft_root_stats() if rt.drafter is not None else (src_top, 0.0, src_top)
+        return StepSignals(step=step, draft_top1_prob=top1, last_accepted=last_accepted, context=int(getattr(rt, "P", 0)),
+                           draft_entropy=entropy, draft_top4_prob=top4, source_match=max((t.match_length for t in tries if t), default=0),
+                           source_nodes=sum(len(t) for t in tries if t), source_top=src_top)
 
     def propose(self, shape: TreeShape) -> Proposal:
         """This step's verify tree: the head's tree of ``shape`` (not drafted when a source's

@@ -140,6 +140,13 @@ class TorchRuntime:
         """Draft probability of the most likely first token below the root (one host sync)."""
         return float(self.root_logp.max().exp())
 
+    def draft_root_stats(self) -> tuple[float, float, float]:
+        """Draft top-1 probability, entropy (nats) and top-4 probability of the first token below
+        the root (one host sync)."""
+        lp = self.root_logp
+        top1, entropy, top4 = torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()
+        return top1, entropy, top4
+
     @torch.inference_mode()
     def draft(self, shape: TreeShape, rules) -> DraftTree:
         """Draft a tree of ``shape`` below the root; ``rules`` is the tree policy.

@@ -106,6 +106,17 @@ class StepSignals:
     context: int = 0
     """Positions already in the target's cache (prompt + accepted tokens): what every verified row
     attends over, so what a row costs grows with it. 0 where the caller does not know."""
+    draft_entropy: float = 0.0
+    """Entropy (nats) of the draft's distribution of the first token below the root (read with
+    ``draft_top1_prob`` in one host sync; 0 where the caller does not know)."""
+    draft_top4_prob: float = 0.0
+    """Draft probability of the four most likely first tokens together (same sync; 0: unknown)."""
+    source_match: int = 0
+    """Longest suffix match any candidate source's proposal came from (0: no proposal)."""
+    source_nodes: int = 0
+    """Nodes the candidate sources propose this step, all sources together (0: none)."""
+    source_top: float = 0.0
+    """Best score a source gave a child of the root (its estimated acceptance; 0: none)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -29,8 +29,8 @@ class Runtime:
         self.drafter = object() if drafter else None
         self.root, self.device, self.drafted = torch.tensor(ROOT), "cpu", 0
 
-    def draft_top1_prob(self) -> float:
-        return 0.7
+    def draft_root_stats(self) -> tuple[float, float, float]:
+        return 0.7, 1.25, 0.9
 
     def draft(self, shape, rules):  # root -> 1 (0.6) -> 2 (0.3); root -> 3 (0.2)
         self.drafted += 1
@@ -81,6 +81,14 @@ def test_signals_read_the_head_or_without_one_the_best_scored_child_of_the_root(
     sig = proposer([Scripted("a", [a]), Scripted("b", [b])], drafter=False).signals(4, 2)
     assert (sig.step, sig.last_accepted, sig.draft_top1_prob) == (4, 2, 0.6)
     assert proposer([Scripted("a", [None])], drafter=False).signals(0, -1).draft_top1_prob == 0.0
+
+
+def test_signals_carry_the_root_entropy_and_what_the_sources_propose():
+    a, b = trie({(5,): 0.3, (5, 6): 0.25}), trie({(9,): 0.6})
+    sig = proposer([Scripted("a", [a]), Scripted("b", [b])]).signals(4, 2)
+    assert (sig.draft_entropy, sig.draft_top4_prob, sig.source_nodes, sig.source_top) == (1.25, 0.9, 3, 0.6)
+    sig = proposer([Scripted("a", [None])]).signals(0, -1)
+    assert (sig.source_match, sig.source_nodes, sig.source_top) == (0, 0, 0.0)
 
 
 def test_head_tree_verified_as_drafted_when_no_source_proposes():

@@ -211,9 +211,61 @@ def tree_record(tree, cont: torch.Tensor) -> dict:
             "logp": tree.draft_logp.cpu().float(), "match": match}
 
 
+def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape], shapes: list[TreeShape],
+                   on_position=None) -> dict:
+    """Teacher-forced along the greedy output ``Y`` of prompt ``ids``: at every position ``j`` (root
+    ``Y[j]``) the drafter drafts the full tree ``full[k]`` of each branching ``k`` and the tokens
+    every shape of ``shapes`` would accept there are read off the continuation ``Y[j+1:]``.
+
+    Returns ``acc`` (per position, shape -> accepted), ``p1`` (the draft's top-1 probability at the
+    root), ``entropy`` (of the draft's distribution at the root, nats), ``top4`` (its four most
+    likely tokens' probability) and ``trees`` (branching ->
+    per position :func:`tree_record`). ``on_position(j)`` (optional) is called after each position.
+    The runtime's bank must hold the ``full`` shapes (``runtime.prepare``)."""
+    rt, d = eng.runtime, eng.runtime.drafter
+    seq = torch.tensor([ids + Y])
+    rt.bank.reserve(seq.shape[1] + max(b.ndt for b in full.values()) + 1)
+    out = eng.target(input_ids=seq, output_hidden_states=True, logits_to_keep=1)
+    state = d.fuse(out.hidden_states)[0]  # [L, H]
+    L = seq.shape[1]
+    d.reset_cache(capacity=L + 2048)
+    outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)  # position i: (token[i+1], state[i])
+    saved_k, saved_v = d._k.clone(), d._v.clone()
+    acc, p1, ent, top4 = [], [], [], []
+    trees: dict[int, list] = {k: [] for k in full}
+    for j in range(len(Y) - 1):
+        P = len(ids) + j
+        d.length = P
+        rt.P, rt.root = P, seq[0, P]
+        rt.root_state = outs[P - 1]
+        rt.root_logp = d.log_probs(outs[P - 1])
+        top, h, t4 = root_stats(rt.root_logp.float())
+        p1.append(top)
+        ent.append(h)
+        top4.append(t4)
+        cont = seq[0, P + 1 :]
+        a = {}
+        for k, big in full.items():
+            d.length = P  # drafting appends scratch slots: every tree starts from the same cache
+            tree = rt.draft(big, eng.policy)
+            d._k[:, :, P : P + 1024] = saved_k[:, :, P : P + 1024]
+            d._v[:, :, P : P + 1024] = saved_v[:, :, P : P + 1024]
+            a.update(accepted_for_shapes(tree, cont, [s for s in shapes if s.topk == k]))
+            trees[k].append(tree_record(tree, cont))
+        acc.append(a)
+        if on_position is not None:
+            on_position(j)
+    return {"acc": acc, "p1": p1, "entropy": ent, "top4": top4, "trees": trees}
+
+
+def root_stats(lp: torch.Tensor) -> list[float]:
+    """Top-1 probability, entropy (nats) and top-4 probability of draft log-probabilities ``lp`` [Vd]."""
+    return torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()
+
+
 def measure(args, shapes):
     eng = Engine(load_config(None, ["policy.nsteps=4", "policy.topk=4", "policy.ndt=8", "runtime.dtype=bfloat16"]))
-    rt, d = eng.runtime, eng.runtime.drafter
+    rt = eng.runtime
     full = {k: TreeShape(DEPTH, k, k + (DEPTH - 1) * k * k + 1) for k in BRANCHING}
     rt.prepare([*full.values(), *eng.policy.shapes()], capacity=4096)
     if args.categories is None and args.per_category is None:
@@ -230,34 +282,11 @@ def measure(args, shapes):
             ids = eng.encode(prob.prompt)
             res = eng.generate_ids(ids, max_new_tokens=args.max_new_tokens)
             Y = res.token_ids
-            seq = torch.tensor([ids + Y])
-            rt.bank.reserve(seq.shape[1] + max(b.ndt for b in full.values()) + 1)
-            out = eng.target(input_ids=seq, output_hidden_states=True, logits_to_keep=1)
-            state = d.fuse(out.hidden_states)[0]  # [L, H]
-            L = seq.shape[1]
-            d.reset_cache(capacity=L + 2048)
-            outs = d.step(seq[0, 1:], state[: L - 1], torch.arange(L - 1), None)  # position i: (token[i+1], state[i])
-            saved_k, saved_v = d._k.clone(), d._v.clone()
-            acc = []
+            tf = teacher_forced(eng, ids, Y, full, shapes)
+            acc = tf["acc"]
+            p1_all.extend(tf["p1"])
             for k in BRANCHING:
-                trees_all[k].append([])
-            for j in range(len(Y) - 1):
-                P = len(ids) + j
-                d.length = P
-                rt.P, rt.root = P, seq[0, P]
-                rt.root_state = outs[P - 1]
-                rt.root_logp = d.log_probs(outs[P - 1])
-                p1_all.append(float(rt.root_logp.max().exp()))
-                cont = seq[0, P + 1 :]
-                a = {}
-                for k, big in full.items():
-                    d.length = P  # drafting appends scratch slots: every tree starts from the same cache
-                    tree = rt.draft(big, eng.policy)
-                    d._k[:, :, P : P + 1024] = saved_k[:, :, P : P + 1024]
-                    d._v[:, :, P : P + 1024] = saved_v[:, :, P : P + 1024]
-                    a.update(accepted_for_shapes(tree, cont, [s for s in shapes if s.topk == k]))
-                    trees_all[k][-1].append(tree_record(tree, cont))
-                acc.append(a)
+                trees_all[k].append(tf["trees"][k])
             acc_all.append(acc)
             # self-check: the decode that made Y used the engine's static shape; its real accepted
             # lengths must match the teacher-forced ones at the positions it visited

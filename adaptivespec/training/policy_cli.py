@@ -1,0 +1,161 @@
+"""``adaptivespec train-policy``: counterfactual labels on training prompts, fit, held-out card.
+
+Output folder ``--out``::
+
+    labels/<prompt id>.pt        counterfactual labels per prompt (resumable: existing ones are kept)
+    learned-<model>.json         the fitted file of the head-only policy (configs/learned.yaml)
+    learned-hybrid-<model>.json  the fitted file with the retrieval source (configs/learned-hybrid.yaml)
+    card.md, card.json           data, features, shape sets and held-out figures
+
+Every ``--heldout-every``-th prompt (interleaved across the training files) is held out: it is
+labelled but never fitted on, and the card's figures are replays on those prompts, priced by the
+calibrated cost model (``--profile``). Training prompts only: evaluation sets are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from adaptivespec.config import load_config
+from adaptivespec.costmodel import DEFAULT_COST_PROFILE, CostModel, resolve_profile
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.learned_model import BASIS, FEATURES, ShapeModel
+from adaptivespec.plugins import get_plugin_host
+from adaptivespec.training.data import DATA_ROOT
+from adaptivespec.training.policy_data import DEFAULT_DATA, build_labels, kind_of, load_labels, pick_prompts
+from adaptivespec.types import TreeShape
+from adaptivespec.training.policy_fit import TRAJECTORY_SHAPES, Fitter, Prompts, evaluate, fitted_file
+from adaptivespec.training.policy_plots import plot
+
+MODEL_TAG = "smollm2-135m-embedded"
+DCS_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "adaptivespec-dynamic.yaml"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train-policy", help="fit the learned tree-shape policy on counterfactual labels",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--out", required=True, type=Path, help="output folder (labels/, fitted files, card)")
+    a("--data", nargs="+", default=list(DEFAULT_DATA), help="training prompts: 'reserved' (the broad-mix prompts the head "
+      "never saw, corpus/reserved-ids.txt) and/or jsonl files (relative to --data-root, or paths)")
+    a("--data-root", type=Path, default=DATA_ROOT, help="folder of the training files")
+    a("--per-file", type=int, default=20, help="prompts drawn from each file (reserved: from each kind)")
+    a("--max-new-tokens", type=int, default=128, help="greedy tokens labelled per prompt")
+    a("--heldout-every", type=int, default=4, help="every N-th prompt of each file is held out (card figures)")
+    a("--mode", choices=("head", "hybrid", "both"), default="both", help="which fitted files to write")
+    a("--profile", help=f"cost profile (adaptivespec calibrate; default the shipped {DEFAULT_COST_PROFILE})")
+    a("--max-shapes", type=int, default=8, help="most shapes in a fitted file's set (one bank executor each)")
+    a("--label-budget", type=float, help="stop labelling after this many seconds (rerun to resume)")
+    a("--labels-only", action="store_true", help="stop after labelling")
+    a("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def log(msg: str) -> None:
+    print(f"train-policy: {msg}", flush=True)
+
+
+def run(args) -> int:
+    if args.per_file < 1 or args.heldout_every < 2 or args.max_shapes < 1:
+        raise AdaptiveSpecError(f"--per-file, --max-shapes: expected >= 1 and --heldout-every >= 2, got "
+                                f"{args.per_file}, {args.max_shapes}, {args.heldout_every}")
+    prompts = pick_prompts(args.data, args.per_file, args.data_root)
+    labels_dir = args.out / "labels"
+    deadline = time.time() + args.label_budget if args.label_budget else None
+    build_labels(labels_dir, prompts, args.max_new_tokens, progress=not args.no_progress, deadline=deadline)
+    missing = [p.id for p in prompts if not (labels_dir / f"{p.id}.pt").is_file()]
+    if missing:
+        log(f"{len(missing)} of {len(prompts)} prompts still to label: run the same command again to resume")
+        return 0
+    if args.labels_only:
+        return 0
+    held_out, seen = [], {}  # every N-th prompt of each kind
+    for p in prompts:
+        seen[kind_of(p.id)] = n = seen.get(kind_of(p.id), 0) + 1
+        held_out.append(n % args.heldout_every == 0)
+    train_p = [p for p, h in zip(prompts, held_out) if not h]
+    held_p = [p for p, h in zip(prompts, held_out) if h]
+    train, held = load_labels(labels_dir, train_p), load_labels(labels_dir, held_p)
+    if not train or not held:
+        raise AdaptiveSpecError(f"--per-file {args.per_file}: too few labelled prompts to fit and hold out "
+                                f"({len(train)} training, {len(held)} held out)")
+    cost_path = resolve_profile(args.profile, DEFAULT_COST_PROFILE, "--profile")
+    cost = CostModel.load(cost_path)
+    selfcheck = [sum(lab["selfcheck"][j] for lab in train + held) for j in (0, 1)]
+    data = {"files": list(args.data), "per_file": args.per_file, "max_new_tokens": args.max_new_tokens,
+            "train_prompts": [lab["id"] for lab in train], "heldout_prompts": [lab["id"] for lab in held],
+            "train_positions": sum(lab["acc"].shape[0] for lab in train),
+            "heldout_positions": sum(lab["acc"].shape[0] for lab in held),
+            "labelled_shapes": len(train[0]["shapes"]), "selfcheck_steps_equal": selfcheck,
+            "cost_profile": cost_path.name}
+    card = {"data": data, "features": list(FEATURES), "basis": list(BASIS), "models": {}}
+    modes = ("head", "hybrid") if args.mode == "both" else (args.mode,)
+    for mode in modes:
+        card["models"][mode] = fit_mode(mode, train, held, cost, args, data)
+    (args.out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (args.out / "card.md").write_text(card_markdown(card))
+    log(f"card: {args.out / 'card.md'}")
+    return 0
+
+
+def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: dict) -> dict:
+    t0 = time.time()
+    P, H = Prompts(train, mode), Prompts(held, mode)
+    f = Fitter(P, cost)
+    for s in TRAJECTORY_SHAPES:
+        c = P.col[TreeShape(*s)]
+        f.add_rows(lambda k, c=c: (lambda i, h: c))
+    f.fit()
+    static = f.static_ms()
+    best = int(static.argmin())
+    log(f"{mode}: best static on the training prompts {P.shapes[best]}; selecting the shape set")
+    cols = f.select(best, args.max_shapes, log=lambda m: log(f"{mode}: {m}"))
+    f.add_rows(f.chooser(cols))  # DAgger: the policy's own histories
+    f.fit()
+    train_ms = f.tune_offsets(cols)
+    name = f"learned-{MODEL_TAG}.json" if mode == "head" else f"learned-hybrid-{MODEL_TAG}.json"
+    meta = {"model": MODEL_TAG, "data": {k: v for k, v in data.items() if not k.endswith("prompts")},
+            "train_vs_best_static": float(static[best] / train_ms)}
+    fitted = fitted_file(P, f, cols, best, cost, meta)
+    dcs = None
+    if mode == "head":
+        cfg = load_config(DCS_CONFIG, [])
+        dcs = get_plugin_host().policies.get(cfg.policy.name).cls(cfg.policy.params)
+    fig = evaluate(H, cost, fitted, H.col[P.shapes[best]], dcs)
+    fitted["heldout"] = {k: fig[k]["vs_ref"] for k in fig if isinstance(fig[k], dict) and "vs_ref" in fig[k]}
+    (args.out / name).write_text(json.dumps(fitted, indent=1) + "\n")
+    plots = [p.name for p in plot(H, cost, ShapeModel(fitted, name), P.shapes[best], args.out, mode)]
+    log(f"{mode}: held out: learned {fig['learned']['vs_ref']:.3f}x the best static, oracle {fig['oracle']['vs_ref']:.3f}x "
+        f"({time.time() - t0:.0f} s); wrote {args.out / name}")
+    return {"file": name, "shapes": fitted["shapes"], "static": fitted["static"], "plots": plots,
+            "train_vs_best_static": meta["train_vs_best_static"], "heldout": fig}
+
+
+def card_markdown(card: dict) -> str:
+    d = card["data"]
+    lines = ["# Learned tree-shape policy: card", "",
+             f"Data: {len(d['train_prompts'])} training + {len(d['heldout_prompts'])} held-out prompts "
+             f"({d['per_file']} per file or kind of {', '.join(d['files'])}), {d['max_new_tokens']} greedy tokens each, "
+             f"{d['train_positions']} + {d['heldout_positions']} positions, {d['labelled_shapes']} shapes labelled; "
+             f"labels' self-check: {d['selfcheck_steps_equal'][1]}/{d['selfcheck_steps_equal'][0]} decoded steps predicted exactly. "
+             f"Cost model: {d['cost_profile']}.", "",
+             f"Features: {', '.join(card['features'])}; basis: {', '.join(card['basis'])}.", ""]
+    for mode, m in card["models"].items():
+        h = m["heldout"]
+        lines += [f"## {mode} ({m['file']})", "",
+                  f"Shapes: {', '.join(map(str, map(tuple, m['shapes'])))}; static (hedge): {tuple(m['static'])}; "
+                  f"in-sample {m['train_vs_best_static']:.3f}x the best static.", "",
+                  "| held out | tok/s (modelled) | vs best static (train-chosen) | vs (3,4,8) |", "|---|---|---|---|"]
+        e3 = h["eagle3_static"]["tok_per_s"]
+        for k, v in h.items():
+            if isinstance(v, dict) and "tok_per_s" in v:
+                label = f"{k} {v.get('shape', '')}".strip()
+                lines.append(f"| {label} | {v['tok_per_s']:.1f} | {v.get('vs_ref', 1.0):.3f}x | {v['tok_per_s'] / e3:.3f}x |")
+        lines += [""] + [f"![{p}]({p})" for p in m["plots"]]
+        lines += ["", f"Decision cost: {h['learned']['decide_us']:.1f} µs per step (replay, this machine); "
+                  f"shapes used (held out): {h['learned']['shapes_used']}", ""]
+    return "\n".join(lines) + "\n"
