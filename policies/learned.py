@@ -23,11 +23,9 @@ from typing import Any
 import attrs
 
 import adaptivespec
-from adaptivespec.config import int_at_least, number_in
+from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, int_at_least, number_in
 from adaptivespec.costmodel import CostModel, resolve_profile
 from adaptivespec.learned_model import ShapeModel, basis
-from adaptivespec.strategies import TreePolicy
-from adaptivespec.types import StepRecord, StepSignals, TreeShape
 
 LEARNED, STATIC = 0, 1
 ARMS = ("learned", "static")

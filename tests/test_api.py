@@ -39,6 +39,7 @@ def test_the_scan_catches_an_import_beyond_the_api(tmp_path):
 BUILTIN_EXTRAS = {
     "adaptivespec.policies.cost_aware": {"adaptivespec.costmodel"},  # its cost model: the policy's own machinery
     "adaptivespec.sources.retrieval": {"adaptivespec.sources.ngram"},  # its index, beside it
+    "adaptivespec.policies.learned": {"adaptivespec.costmodel", "adaptivespec.learned_model"},  # its cost model, its fitted model
 }
 
 

@@ -13,6 +13,7 @@ from adaptivespec.tree import ancestor_matrix
 from adaptivespec.types import DraftTree, TreeShape
 
 from adaptivespec.analysis import shape_oracle as oracle_mod
+from adaptivespec.training import counterfactual
 
 
 def full_tree() -> DraftTree:
@@ -33,7 +34,7 @@ def full_tree() -> DraftTree:
 ])
 def test_accepted_length_of_every_sub_shape(cont, expected):
     shapes = [TreeShape(*s) for s in expected]
-    got = oracle_mod.accepted_for_shapes(full_tree(), torch.tensor(cont), shapes)
+    got = counterfactual.accepted_for_shapes(full_tree(), torch.tensor(cont), shapes)
     assert {(s.nsteps, s.topk, s.ndt): a for s, a in got.items()} == expected
 
 
@@ -92,7 +93,7 @@ def _cost_aware_config(tmp_path, level_ms: float) -> str:
 def test_in_step_replay_of_cost_aware_on_full_trees(tmp_path, level_ms, depth, steps):
     # every position's full tree is full_tree() and the continuation is always 5, 7, 9: the whole
     # tree accepts 3 tokens; with levels too expensive to draft, depth 1 accepts 1
-    record = oracle_mod.tree_record(full_tree(), torch.tensor([5, 7, 9]))
+    record = counterfactual.tree_record(full_tree(), torch.tensor([5, 7, 9]))
     cfg = _cost_aware_config(tmp_path, level_ms)
     assert oracle_mod.in_step_policy(cfg)
     coef = [0.05, 0.001, 0.0, 0.0001]

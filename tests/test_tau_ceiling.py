@@ -11,6 +11,8 @@ from adaptivespec.types import TreeShape
 
 from test_shape_oracle import full_tree, oracle_mod
 
+from adaptivespec.training import counterfactual
+
 from adaptivespec.analysis import tau_ceiling as ceiling
 
 SUB_SHAPES = [(n, 2, ndt) for n in (1, 2, 3) for ndt in range(2, 7) if ndt - 1 <= 2 * n]
@@ -19,8 +21,8 @@ SUB_SHAPES = [(n, 2, ndt) for n in (1, 2, 3) for ndt in range(2, 7) if ndt - 1 <
 @pytest.mark.parametrize("cont", [[5, 7, 9], [6, 8, 0], [4, 4, 4], [5, 7, 1], [6, 8]])
 def test_accepted_from_a_saved_record_equals_the_oracle_on_the_tree(cont):
     tree, cont = full_tree(), torch.tensor(cont)
-    record = oracle_mod.tree_record(tree, cont)  # what the oracle saves: depth, parents, score, match
-    want = oracle_mod.accepted_for_shapes(tree, cont, [TreeShape(*s) for s in SUB_SHAPES])
+    record = counterfactual.tree_record(tree, cont)  # what the oracle saves: depth, parents, score, match
+    want = counterfactual.accepted_for_shapes(tree, cont, [TreeShape(*s) for s in SUB_SHAPES])
     for n, k, ndt in SUB_SHAPES:
         assert ceiling.accepted(record, n, ndt) == want[TreeShape(n, k, ndt)], (n, ndt)
     # every node kept: the longest matching path of the whole tree
@@ -34,7 +36,7 @@ def test_tau_counts_steps_like_a_static_decode():
 
 
 def _blob(tmp_path, name, conts, categories):
-    trees = {2: [[oracle_mod.tree_record(full_tree(), torch.tensor(c)) for c in prompt] for prompt in conts]}
+    trees = {2: [[counterfactual.tree_record(full_tree(), torch.tensor(c)) for c in prompt] for prompt in conts]}
     path = tmp_path / f"{name}.pt"
     torch.save({"acc": [], "p1": [], "trees": trees, "categories": categories}, path)
     return path

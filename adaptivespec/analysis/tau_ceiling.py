@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from adaptivespec.training.counterfactual import kept_nodes
+
 DEPTH = 7
 
 
@@ -46,7 +48,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def _oracle():
-    """:mod:`adaptivespec.analysis.shape_oracle`, whose tree cut (``kept_nodes``) this replays."""
+    """:mod:`adaptivespec.analysis.shape_oracle`, whose schedule walk (``simulate``) this replays."""
     from adaptivespec.analysis import shape_oracle
 
     return shape_oracle
@@ -56,7 +58,7 @@ def accepted(rec: dict, nsteps: int, ndt: int | None) -> int:
     """Accepted draft tokens of the shape's tree cut from one full tree record (``ndt`` None: every node
     of depth <= ``nsteps``)."""
     depth, parents = rec["depth"].long(), rec["parents"].long()
-    ok = _oracle().kept_nodes(depth, rec["logp"], nsteps, ndt) & rec["match"]
+    ok = kept_nodes(depth, rec["logp"], nsteps, ndt) & rec["match"]
     for d in range(1, nsteps + 1):  # a node counts only if its whole path is kept and matches
         lvl = depth == d
         ok[lvl] &= ok[parents[lvl]]

@@ -1,7 +1,7 @@
 """Counterfactual labels for a learned tree-shape policy, on training prompts only.
 
 For every prompt the target's greedy output ``Y`` is generated once; then, teacher-forced along
-``Y`` (:func:`adaptivespec.analysis.shape_oracle.teacher_forced`), at every position the drafter
+``Y`` (:func:`adaptivespec.training.counterfactual.teacher_forced`), at every position the drafter
 drafts the largest tree of each branching and the tokens every smaller shape would accept there are
 read off the continuation (a smaller tree is a subtree of the largest one: exactly what strict
 verification accepts). Beside them, per position, what a policy can read before it picks the
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from adaptivespec.analysis.shape_oracle import root_stats, teacher_forced
+from adaptivespec.training.counterfactual import root_stats, teacher_forced
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.training.data import DATA_ROOT, Prompt, check_not_eval
