@@ -84,8 +84,9 @@ class Runtime(Protocol):
         """One plain decoding step from the root; the next token."""
         ...
 
-    def draft_top1_prob(self) -> float:
-        """The drafter's probability of its most likely first token below the root."""
+    def draft_root_stats(self) -> tuple[float, float, float]:
+        """The drafter's top-1 probability, entropy (nats) and top-4 probability of the first token
+        below the root (what :class:`~adaptivespec.types.StepSignals` carries)."""
         ...
 
     def draft(self, shape: TreeShape, rules: Any) -> DraftTree:

@@ -23,7 +23,7 @@ from adaptivespec.fastpath.drafter import fast_drafter
 from adaptivespec.fastpath.forward import fast_forward
 from adaptivespec.fastpath.kvcache import buffered_cache
 from adaptivespec.fastpath.prepack import prepack_linears
-from adaptivespec.sampling import pick_next
+from adaptivespec.sampling import pick_next, root_stats
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
@@ -136,15 +136,10 @@ class TorchRuntime:
         return int(self.root)
 
     # -- speculative step -----------------------------------------------------------------------
-    def draft_top1_prob(self) -> float:
-        """Draft probability of the most likely first token below the root (one host sync)."""
-        return float(self.root_logp.max().exp())
-
     def draft_root_stats(self) -> tuple[float, float, float]:
         """Draft top-1 probability, entropy (nats) and top-4 probability of the first token below
-        the root (one host sync)."""
-        lp = self.root_logp
-        top1, entropy, top4 = torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()
+        the root (:func:`~adaptivespec.sampling.root_stats`: one host sync)."""
+        top1, entropy, top4 = root_stats(self.root_logp)
         return top1, entropy, top4
 
     @torch.inference_mode()

@@ -163,3 +163,9 @@ def residual_draw(tree: DraftTree, probs: torch.Tensor, last: torch.Tensor, samp
     res = row * (1 - kill)
     res = torch.where(res.sum() > 0, res, row)  # rounding left no mass: the children's row itself
     return sampler.draw(res)
+
+
+def root_stats(lp: torch.Tensor) -> list[float]:
+    """Top-1 probability, entropy (nats) and top-4 probability of draft log-probabilities ``lp`` [Vd],
+    read to the host in one sync (what a tree policy sees of the draft at the root)."""
+    return torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()

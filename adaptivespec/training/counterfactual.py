@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from adaptivespec.sampling import root_stats
 from adaptivespec.types import TreeShape
 
 
@@ -98,7 +99,3 @@ def teacher_forced(eng, ids: list[int], Y: list[int], full: dict[int, TreeShape]
             on_position(j)
     return {"acc": acc, "p1": p1, "entropy": ent, "top4": top4, "trees": trees}
 
-
-def root_stats(lp: torch.Tensor) -> list[float]:
-    """Top-1 probability, entropy (nats) and top-4 probability of draft log-probabilities ``lp`` [Vd]."""
-    return torch.stack([lp.max().exp(), -(lp.exp() * lp).sum(), lp.topk(4).values.exp().sum()]).tolist()

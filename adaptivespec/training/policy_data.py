@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from adaptivespec.training.counterfactual import root_stats, teacher_forced
+from adaptivespec.sampling import root_stats
+from adaptivespec.training.counterfactual import teacher_forced
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.training.data import DATA_ROOT, Prompt, check_not_eval
