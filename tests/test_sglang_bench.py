@@ -100,9 +100,9 @@ def test_backend_sglang_serves_the_loaded_config_with_its_trace():
 
 
 def test_backend_sglang_refuses_configs_it_cannot_serve():
-    config = load_config(ROOT / "configs" / "hybrid.yaml")
-    with pytest.raises(AdaptiveSpecError, match="sources \\[retrieval\\]"):
-        sc.SGLangContender("hybrid", config, config_path=sc.served_config_file(config, "hybrid"), server_factory=FakeServer)
+    config = load_config(ROOT / "configs" / "grammar.yaml")
+    with pytest.raises(AdaptiveSpecError, match="sources \\[grammar\\] with model.drafter null"):
+        sc.SGLangContender("grammar", config, config_path=sc.served_config_file(config, "grammar"), server_factory=FakeServer)
 
 
 def test_run_bench_stops_every_server_even_when_a_generation_fails(tmp_path, monkeypatch):

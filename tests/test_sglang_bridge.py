@@ -187,6 +187,55 @@ def test_controller_with_a_load_model_runs_the_cheaper_shape_and_learns_from_wha
     assert gaps[0] is None and gaps[1] >= 0 and gaps[2] is None and gaps[3] >= 0
 
 
+def test_load_model_drafts_nothing_when_one_row_per_request_gives_more():
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    floor = TreeShape(1, 1, 2)
+    shapes = (floor, WIDE, MID, DEEP)
+    # 20 ms fixed + 2 ms per row; drafts accept 0.2 tokens: at batch 8 the floor's 16 rows give
+    # 8 * 1.2 tokens in 52 ms, no drafting 8 tokens in 36 ms
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3)
+    for shape in shapes:
+        load.observe(shape, 0.2)
+    assert load.choose(DEEP, 8, shapes) == floor  # not offered: the bank's floor
+    assert load.choose(DEEP, 8, shapes, undrafted=True) is NO_DRAFT
+    assert load.tokens_per_s(NO_DRAFT, 8) == pytest.approx(1e3 * 8 / 36) and load.accepted(NO_DRAFT) == 0.0
+    assert load.choose(DEEP, 1, shapes, undrafted=True) == DEEP  # batch 1: the policy's shape, always
+    # drafting pays when it is accepted: the tree stays
+    good = LoadModel(CostModel(fixed=20.0, per_verified_token=0.5))
+    for shape, acc in ((floor, 0.8), (WIDE, 1.5), (MID, 2.2), (DEEP, 3.5)):
+        good.observe(shape, acc)
+    assert good.choose(DEEP, 8, shapes, undrafted=True) == DEEP
+    # acceptance is learned only by drafting: every probe_every-th no-draft choice drafts once
+    probe = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3)
+    for shape in shapes:
+        probe.observe(shape, 0.2)
+    picks = [probe.choose(DEEP, 8, shapes, undrafted=True) for _ in range(8)]
+    assert picks == [NO_DRAFT] * 3 + [DEEP] + [NO_DRAFT] * 3 + [DEEP]
+    load.observe(NO_DRAFT, 0.0)  # ignored: nothing was drafted
+    assert load.accepted(floor) == pytest.approx(0.2)
+
+
+def test_controller_runs_undrafted_steps_without_feeding_the_policy():
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    traced = []
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=4.0))
+    c = TripletController(StubPolicy(), load=load, undrafted=True,
+                          on_trace=lambda r, bs, gap: traced.append((r.shape, r.tree_size, r.policy_state)))
+    assert c.begin_step(probs(0.9)) == DEEP
+    c.observe([0])
+    assert c.begin_step(probs(*[0.9] * 8)) is NO_DRAFT  # nothing accepted, rows expensive
+    record = c.observe([0] * 8)
+    assert record.shape is None and record.tree_size == 1 and record.new_tokens == 1
+    assert traced[-1][2]["undrafted"] == "load"
+    assert [r.shape for r in c.policy.records] == [DEEP]  # the policy saw only its own step
+    # a verify budget that not even the floor fits: no drafting, when allowed
+    b = TripletController(StubPolicy(), verify_budget=4, undrafted=True)
+    assert b.begin_step(probs(*[0.9] * 3)) is NO_DRAFT
+    assert TripletController(StubPolicy(), verify_budget=4).begin_step(probs(*[0.9] * 3)) == TreeShape(1, 1, 2)
+
+
 def test_shapes_deeper_than_their_tree_run_at_the_depth_the_tree_can_hold():
     # (6, 4, 4) verifies 3 drafted nodes: they lie within 3 levels; SGLang 0.5.23 crashes drafting 6
     assert sglang_shape(TreeShape(6, 4, 4)) == TreeShape(3, 4, 4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import importlib
 import sys
 import types
@@ -84,7 +85,10 @@ def make_sglang(monkeypatch, start: TreeShape):
     rc.get_context, rc.get_spec, rc.get_parallel = (lambda: ctx), (lambda: spec), (lambda: parallel)
     ars = types.ModuleType("sglang.srt.speculative.adaptive_runtime_state")
     ars.SpecRuntimeState = SpecRuntimeState
-    for name, mod in {"sglang.srt.runtime_context": rc, "sglang.srt.speculative.adaptive_runtime_state": ars}.items():
+    eu = types.ModuleType("sglang.srt.speculative.eagle_utils")
+    eu.TreeMaskMode = enum.IntEnum("TreeMaskMode", "FULL_MASK QLEN_ONLY QLEN_ONLY_BITPACKING")
+    for name, mod in {"sglang.srt.runtime_context": rc, "sglang.srt.speculative.adaptive_runtime_state": ars,
+                      "sglang.srt.speculative.eagle_utils": eu}.items():
         monkeypatch.setitem(sys.modules, name, mod)
     ew = types.ModuleType("sglang.srt.speculative.eagle_worker_v2")
 

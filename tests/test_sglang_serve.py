@@ -68,8 +68,19 @@ def test_models_default_to_the_config(tmp_path, config):
     assert flag(argv, "--model-path") == TARGET and flag(argv, "--speculative-draft-model-path") == DRAFTER
     ar = tmp_path / "ar.yaml"
     ar.write_text("model: {drafter: null}\n")
-    with pytest.raises(AdaptiveSpecError, match="--drafter: SGLang needs an EAGLE-3 checkpoint"):
-        serve.build_command(ar, TARGET)
+    plain = serve.build_command(ar, TARGET, device="cuda")  # plain decoding: SGLang alone
+    assert flag(plain, "--model-path") == TARGET and not any(a.startswith("--speculative") for a in plain)
+    assert "--disable-overlap-schedule" not in plain  # no policy to feed: SGLang's default scheduler
+    assert serve.CONFIG_ENV not in serve.build_env(ar, {"PATH": "/bin"}, device="cuda")  # the plugin stays out
+
+
+def test_configs_with_sources_are_served_with_their_draft_stage(tmp_path):
+    for name in ("hybrid.yaml", "cost-aware-hybrid.yaml", "learned-hybrid.yaml"):
+        path = ROOT / "configs" / name
+        assert serve.unservable(path) is None
+        argv = serve.build_command(path, device="cuda")
+        assert flag(argv, "--speculative-algorithm") == "EAGLE3"
+        assert serve.build_env(path, {"PATH": "/bin"}, device="cuda")[serve.CONFIG_ENV] == str(path.resolve())
 
 
 def test_embedded_pair_serves_the_converted_folder_and_the_head_folder(capsys, monkeypatch):
@@ -223,7 +234,8 @@ def test_cpu_env_binds_threads_and_preloads_what_exists(config, monkeypatch):
     assert platform._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
-@pytest.mark.parametrize("name,missing", [("hybrid.yaml", "sources [retrieval]"), ("ar.yaml", "model.drafter is null")])
+@pytest.mark.parametrize("name,missing", [("grammar.yaml", "sources [grammar] with model.drafter null"),
+                                          ("retrieval.yaml", "sources [retrieval] with model.drafter null")])
 def test_serve_refuses_what_sglang_cannot_express_in_one_line(name, missing, capsys):
     cli = pytest.importorskip("adaptivespec.cli")
     code = cli.main(["serve", "--config", str(ROOT / "configs" / name), "--print-command"])

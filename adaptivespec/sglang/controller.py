@@ -16,7 +16,7 @@ from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sglang import VERIFY_BUDGET_ENV
 from adaptivespec.sglang.load_model import LoadModel
 from adaptivespec.sglang.metrics import SpecMetrics
-from adaptivespec.sglang.shapes import format_shapes, load_floor_shape, sglang_shape, sglang_shape_problem, sglang_shapes
+from adaptivespec.sglang.shapes import NO_DRAFT, NoDraft, format_shapes, load_floor_shape, sglang_shape, sglang_shape_problem, sglang_shapes
 from adaptivespec.strategies import TreePolicy, Verifier
 from adaptivespec.types import StepRecord, StepSignals, TreeShape
 
@@ -49,7 +49,7 @@ class _PendingStep:
 
     step: int
     epoch: int  # the controller's reset count when the step began
-    shape: TreeShape
+    shape: "TreeShape | NoDraft"
     signals: StepSignals
     policy_state: dict[str, Any]
     batch_size: int = 1
@@ -57,6 +57,8 @@ class _PendingStep:
     started: float = 0.0  # perf_counter() when the shape was chosen (before drafting)
     gap_ms: float | None = None  # from the previous step's accept lengths to this start, same batch
     requested: TreeShape | None = None  # the policy's shape, when the load controls ran a smaller one
+    by_source: dict[str, int] | None = None  # accepted drafted tokens per proposer (a merged step)
+    width: int | None = None  # verify rows per request of a merged step
 
 
 class TripletController:
@@ -89,6 +91,7 @@ class TripletController:
         verify_budget: int | None = None,
         load: LoadModel | None = None,
         metrics: SpecMetrics | None = None,
+        undrafted: bool = False,
     ) -> None:
         if batch_reduce not in BATCH_REDUCERS:
             raise AdaptiveSpecError(f"batch_reduce: expected one of {', '.join(BATCH_REDUCERS)}, got {batch_reduce!r}")
@@ -111,6 +114,8 @@ class TripletController:
         self.verify_budget = verify_budget
         self.load = load
         self.metrics = metrics
+        self.undrafted = undrafted
+        """Whether the load controls may run :data:`NO_DRAFT` (the worker has a state for it)."""
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0
@@ -163,26 +168,40 @@ class TripletController:
         self._step += 1
         return run
 
-    def fit_load(self, shape: TreeShape, batch_size: int) -> TreeShape:
+    def fit_load(self, shape: TreeShape, batch_size: int) -> "TreeShape | NoDraft":
         """The shape to run for a batch of ``batch_size``: the policy's ``shape``, shrunk by the
         load model (:class:`LoadModel`: the shape with the most tokens per second by the served
         step's cost model) and capped so that the verify forward's rows (``batch_size * ndt``) fit
         ``verify_budget`` (the bank's largest shape that fits, the deepest of those, else the
-        smallest: :func:`load_floor_shape`)."""
+        smallest: :func:`load_floor_shape`). With :attr:`undrafted`, either may run
+        :data:`NO_DRAFT` instead: the load model when drafting nothing gives more tokens per second,
+        the budget when not even the smallest tree fits."""
         if self.load is not None:
-            shape = self.load.choose(shape, batch_size, self.shapes)
+            choice = self.load.choose(shape, batch_size, self.shapes, undrafted=self.undrafted)
+            if isinstance(choice, NoDraft):
+                return choice
+            shape = choice
         budget = self.verify_budget
         if budget is None or batch_size * shape.ndt <= budget:
             return shape
         fits = [s for s in self.shapes if batch_size * s.ndt <= budget and s.ndt <= shape.ndt]
         if fits:
             return max(fits, key=lambda s: (s.ndt, s.nsteps, -s.topk))
+        if self.undrafted:
+            return NO_DRAFT
         return min(self.shapes, key=lambda s: (s.ndt, s.nsteps * s.topk))
 
     def note_promoted(self, promoted_per_request: Sequence[int]) -> None:
         """Promoted (lossy-accepted) tokens per request of the newest step, from the verifier."""
         if self._pending:
             self._pending[-1].promoted = list(promoted_per_request)
+
+    def note_sources(self, accepted_by_source: dict[str, int], width: int) -> None:
+        """The newest step verified a merged tree of ``width`` rows per request (the draft stage's);
+        its accepted drafted tokens per proposer."""
+        if self._pending:
+            self._pending[-1].by_source = dict(accepted_by_source)
+            self._pending[-1].width = width
 
     def observe(self, num_correct_drafts_per_req: Sequence[int]) -> StepRecord | None:
         """Feed the oldest pending step's accepted drafted tokens (bonus excluded) to the policy.
@@ -198,6 +217,8 @@ class TripletController:
         self._observed_at = time.perf_counter()
         step_ms = (self._observed_at - p.started) * 1e3
         per_request = [int(a) for a in num_correct_drafts_per_req]
+        if isinstance(p.shape, NoDraft):
+            return self._observe_undrafted(p, per_request, step_ms)
         if self.load is not None:
             self.load.observe(p.shape, _reduce(per_request, "mean"))
         accepted = int(_reduce(per_request, self.batch_reduce))
@@ -226,7 +247,26 @@ class TripletController:
         if self.on_trace is not None:
             self.on_trace(record, p.batch_size, p.gap_ms)
         if self.metrics is not None:
-            self.metrics.observe_step(shape=p.shape, accepted_per_request=per_request, policy_shape=p.requested)
+            self.metrics.observe_step(shape=p.shape, accepted_per_request=per_request, policy_shape=p.requested,
+                                      accepted_by_source=p.by_source, verify_width=p.width)
+            self.metrics.observe_state(pending=len(self._pending), tracked=len(self._last_requests or ()))
+        return record
+
+
+    def _observe_undrafted(self, p: _PendingStep, per_request: list[int], step_ms: float) -> StepRecord:
+        """A step the load controls ran without drafting: traced and counted, not the policy's
+        (it chose a tree; its acceptance history is not a zero-accept step's)."""
+        record = StepRecord(step=p.step, shape=None, tree_size=1, accepted=0, promoted=0, new_tokens=1, draft_ms=0.0,
+                            verify_ms=step_ms, other_ms=p.gap_ms or 0.0, signals=p.signals,
+                            policy_state={**p.policy_state, "undrafted": "load"})
+        self.last_record = record
+        if self.on_record is not None:
+            self.on_record(record)
+        if self.on_trace is not None:
+            self.on_trace(record, p.batch_size, p.gap_ms)
+        if self.metrics is not None:
+            self.metrics.observe_undrafted("load")
+            self.metrics.verify_rows.observe(len(per_request))
             self.metrics.observe_state(pending=len(self._pending), tracked=len(self._last_requests or ()))
         return record
 

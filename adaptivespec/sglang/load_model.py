@@ -9,6 +9,7 @@ from typing import Iterable
 from adaptivespec.costmodel import CostModel
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang import LOAD_PROFILE_ENV
+from adaptivespec.sglang.shapes import NO_DRAFT, NoDraft
 from adaptivespec.types import TreeShape
 
 
@@ -23,49 +24,72 @@ class LoadModel:
     at most ``s.nsteps``). :meth:`choose` keeps the policy's shape unless a smaller bank shape
     (``ndt`` no larger) is expected to give more tokens per second: as the batch grows, every
     verified row costs more of the step and the tree shrinks, down to the bank's one-drafted-token
-    floor. At batch size 1 the policy's shape always runs (the paper's setting).
+    floor, and with ``undrafted`` below it to a step that drafts nothing (:data:`NO_DRAFT`: one verified
+    row per request, one token each) when that is expected to give more. At batch size 1 the
+    policy's shape always runs (the paper's setting).
+
+    ``accepted(s)`` is the batch mean, i.e. the sum over the requests divided by the batch size: a
+    request whose drafts keep failing adds nothing to a tree's expected tokens, so the batch drafts
+    only while the requests whose drafts pay outweigh the rows spent on all of them.
 
     The cost model is fitted from a served trace (``serve --trace`` records each step's time):
     ``python -m adaptivespec.analysis.served_cost``; the embedded pair's CPU profile ships as
     ``sglang-cpu-smollm2-135m-bf16.json``.
     """
 
-    def __init__(self, cost: CostModel, *, decay: float = 0.9) -> None:
+    def __init__(self, cost: CostModel, *, decay: float = 0.9, probe_every: int = 16) -> None:
         if not 0.0 < decay < 1.0:
             raise AdaptiveSpecError(f"load model decay: expected a number in (0, 1), got {decay!r}")
-        self.cost, self.decay = cost, decay
+        if probe_every < 1:
+            raise AdaptiveSpecError(f"load model probe_every: expected at least 1 step, got {probe_every!r}")
+        self.cost, self.decay, self.probe_every = cost, decay, probe_every
+        self._undrafted_in_a_row = 0
         self._accepted: dict[TreeShape, float] = {}
         self._overall: float | None = None
 
-    def observe(self, shape: TreeShape, accepted: float) -> None:
+    def observe(self, shape: "TreeShape | NoDraft", accepted: float) -> None:
         """A step ran at ``shape`` and accepted ``accepted`` drafted tokens per request (batch mean)."""
+        if isinstance(shape, NoDraft):
+            return
         d = self.decay
         prev = self._accepted.get(shape)
         self._accepted[shape] = accepted if prev is None else d * prev + (1 - d) * accepted
         self._overall = accepted if self._overall is None else d * self._overall + (1 - d) * accepted
 
-    def accepted(self, shape: TreeShape) -> float:
+    def accepted(self, shape: "TreeShape | NoDraft") -> float:
+        if isinstance(shape, NoDraft):
+            return 0.0
         if shape in self._accepted:
             return self._accepted[shape]
         return min(float(shape.nsteps), self._overall if self._overall is not None else 1.0)
 
-    def step_ms(self, shape: TreeShape, batch_size: int) -> float:
+    def step_ms(self, shape: "TreeShape | NoDraft", batch_size: int) -> float:
         return self.cost.step_ms(verified=batch_size * shape.ndt, levels=shape.nsteps,
                                  nodes=batch_size * shape.nsteps * shape.topk, context=0.0)
 
-    def tokens_per_s(self, shape: TreeShape, batch_size: int) -> float:
+    def tokens_per_s(self, shape: "TreeShape | NoDraft", batch_size: int) -> float:
         return 1e3 * batch_size * (1.0 + self.accepted(shape)) / self.step_ms(shape, batch_size)
 
-    def choose(self, shape: TreeShape, batch_size: int, shapes: Iterable[TreeShape]) -> TreeShape:
-        """The shape to run for ``batch_size`` requests when the policy chose ``shape``."""
+    def choose(self, shape: TreeShape, batch_size: int, shapes: Iterable[TreeShape],
+               undrafted: bool = False) -> "TreeShape | NoDraft":
+        """The shape to run for ``batch_size`` requests when the policy chose ``shape``
+        (``undrafted``: :data:`NO_DRAFT` may win too)."""
         if batch_size <= 1:
             return shape
         best, best_rate = shape, self.tokens_per_s(shape, batch_size)
-        for s in shapes:
+        for s in (*shapes, *((NO_DRAFT,) if undrafted else ())):
             if s.ndt < shape.ndt:
                 rate = self.tokens_per_s(s, batch_size)
                 if rate > best_rate:
                     best, best_rate = s, rate
+        if isinstance(best, NoDraft):
+            # acceptance is only learned by drafting: every probe_every-th undrafted choice drafts
+            self._undrafted_in_a_row += 1
+            if self._undrafted_in_a_row > self.probe_every:
+                self._undrafted_in_a_row = 0
+                return shape
+        else:
+            self._undrafted_in_a_row = 0
         return best
 
 

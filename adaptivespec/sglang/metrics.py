@@ -100,16 +100,18 @@ class SpecMetrics:
         return cls()
 
     def observe_step(self, *, shape: TreeShape, accepted_per_request: Sequence[int], policy_shape: TreeShape | None = None,
-                     accepted_by_source: Mapping[str, int] | None = None) -> None:
+                     accepted_by_source: Mapping[str, int] | None = None, verify_width: int | None = None) -> None:
         """One verified step of ``len(accepted_per_request)`` requests run at ``shape`` (the policy
-        asked for ``policy_shape``; the load controller ran ``shape``)."""
+        asked for ``policy_shape``; the load controller ran ``shape``); ``verify_width``: rows per
+        request when the draft stage merged candidates in (default ``shape.ndt``), and
+        ``accepted_by_source`` the accepted tokens per proposer then (default: all the head's)."""
         bs = len(accepted_per_request)
         if bs == 0:
             return
         for a in accepted_per_request:
             self.accepted_per_step.observe(a)
         self.steps.labels(shape=shape_label(shape)).inc()
-        self.verify_rows.observe(bs * shape.ndt)
+        self.verify_rows.observe(bs * (verify_width or shape.ndt))
         by_source = accepted_by_source if accepted_by_source is not None else {"head": sum(accepted_per_request)}
         for source, n in by_source.items():
             if n:
@@ -117,6 +119,11 @@ class SpecMetrics:
         self.load_choice.labels(batch_size=str(bs)).set(shape.ndt)
         if policy_shape is not None and policy_shape != shape:
             self.load_capped.labels(batch_size=str(bs)).inc()
+
+    def declare_sources(self, names: Sequence[str]) -> None:
+        """Export ``accepted_tokens_total`` for these proposers from the start, at zero."""
+        for name in names:
+            self.accepted.labels(source=name)
 
     def observe_undrafted(self, reason: str) -> None:
         """A step that ran without drafting (``reason``: one of :data:`UNDRAFTED_REASONS`)."""

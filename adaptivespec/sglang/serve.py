@@ -72,19 +72,20 @@ def served_config(config: "str | Path | ServedConfig") -> ServedConfig:
 
 
 def unservable(config: "str | Path | ServedConfig") -> str | None:
-    """What in the config SGLang's EAGLE-3 worker cannot run, as one sentence (None: servable).
+    """What in the config SGLang cannot serve, as one sentence (None: servable).
 
-    Candidate sources (``sources:``, e.g. ``retrieval``) add nodes to the drafted tree: SGLang builds
-    its tree from the head's beam only, in its tree kernel, so they have no place there. Verifiers
-    run through the plugin's ``eagle_sample`` hook (greedy batches)."""
+    A config with a draft head runs in SGLang's EAGLE-3 worker, its ``sources:`` merged into the
+    head's tree by the plugin's draft stage (:mod:`adaptivespec.sglang.draft_stage`); an
+    autoregressive config without sources is served as SGLang's plain decoding. Candidate sources
+    without a draft head (``configs/grammar.yaml``) have no worker in SGLang to run in: the draft
+    stage lives in the EAGLE-3 worker, which needs a head."""
     sc = served_config(config)
-    if sc.config.autoregressive:
-        return (f"{sc.path}: model.drafter is null (autoregressive): serve runs SGLang's EAGLE-3 worker; "
-                "serve plain decoding with python -m sglang.launch_server")
-    if sc.config.sources:
+    if sc.config.model.drafter is None and sc.config.sources:
         names = ", ".join(s.name for s in sc.config.sources)
-        return (f"{sc.path}: sources [{names}]: SGLang's EAGLE-3 worker builds its tree from the draft head's "
-                "beam only (no candidate-source hook); serve without sources (e.g. configs/cost-aware.yaml)")
+        return (f"{sc.path}: sources [{names}] with model.drafter null: the served draft stage runs in SGLang's "
+                "EAGLE-3 worker, which needs a draft head; serve a config with a head and these sources "
+                "(e.g. configs/hybrid.yaml: SGLang's grammar backend masks the verified tree of json_schema "
+                "requests) or configs/ar.yaml")
     return None
 
 
@@ -95,14 +96,19 @@ def bank_shapes(config: "str | Path | ServedConfig") -> tuple[tuple[TreeShape, .
     return bank.shapes, bank.max_shape()
 
 
+def _target_path(config: "str | Path | ServedConfig", target: str | None) -> str:
+    """The target SGLang loads: the embedded target is its converted safetensors folder (converted
+    first if needed, as ``generate`` does)."""
+    target = target or served_config(config).config.model.target
+    return str(embedded_folder()) if target == EMBEDDED else target  # the GGUF is an adaptivespec-only alias
+
+
 def _model_paths(config: "str | Path | ServedConfig", target: str | None, drafter: str | None) -> tuple[str, str]:
     """Paths SGLang loads: the embedded target is its converted safetensors folder (converted
     first if needed, as ``generate`` does), ``embedded`` the shipped head's folder."""
     model = served_config(config).config.model
-    target = target or model.target
+    target = _target_path(config, target)
     drafter = drafter or model.drafter
-    if target == EMBEDDED:  # the GGUF is an adaptivespec-only alias; SGLang reads the converted folder
-        target = str(embedded_folder())
     if drafter is None:
         raise AdaptiveSpecError(
             f"--drafter: SGLang needs an EAGLE-3 checkpoint folder or Hugging Face id (the config says {drafter!r})"
@@ -166,21 +172,26 @@ def build_command(
     :func:`~adaptivespec.sglang.platform.cpu_args` come before ``extra_args``.
     """
     sc = served_config(config)
-    _, top = bank_shapes(sc)
-    target, drafter = _model_paths(sc, target, drafter)
     sampling = sampling_args(sc, extra_args)
-    argv = [
-        python or sys.executable, "-m", "sglang.launch_server",
-        "--model-path", target,
-        "--speculative-algorithm", "EAGLE3",
-        "--speculative-draft-model-path", drafter,
-        "--speculative-num-steps", str(top.nsteps),
-        "--speculative-eagle-topk", str(top.topk),
-        "--speculative-num-draft-tokens", str(top.ndt),
-        "--host", host,
-        "--port", str(port),
-    ]
-    if not overlap:
+    if sc.config.autoregressive:  # plain decoding: SGLang alone, no speculative worker
+        target = _target_path(sc, target)
+        argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", target,
+                "--host", host, "--port", str(port)]
+    else:
+        _, top = bank_shapes(sc)
+        target, drafter = _model_paths(sc, target, drafter)
+        argv = [
+            python or sys.executable, "-m", "sglang.launch_server",
+            "--model-path", target,
+            "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", drafter,
+            "--speculative-num-steps", str(top.nsteps),
+            "--speculative-eagle-topk", str(top.topk),
+            "--speculative-num-draft-tokens", str(top.ndt),
+            "--host", host,
+            "--port", str(port),
+        ]
+    if not overlap and not sc.config.autoregressive:  # plain decoding has no policy to feed: SGLang's default
         argv.append("--disable-overlap-schedule")
     if metrics and "--enable-metrics" not in extra_args:
         argv.append("--enable-metrics")
@@ -231,6 +242,8 @@ def build_env(config: "str | Path | ServedConfig", base: Mapping[str, str] | Non
         env[LOAD_PROFILE_ENV] = str(Path(load_profile).resolve())
     if not metrics:
         env[METRICS_ENV] = "0"
+    if served_config(config).config.autoregressive:
+        return env  # plain decoding: the plugin stays out (it acts only where the config is set)
     env[CONFIG_ENV] = str(path.resolve())
     allowed = [p.strip() for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     if allowed and PLUGIN_NAME not in allowed:

@@ -41,6 +41,28 @@ def sglang_shapes(shapes: Iterable[TreeShape]) -> set[TreeShape]:
     return {sglang_shape(s) for s in shapes}
 
 
+class NoDraft:
+    """The step that drafts nothing: the target verifies the last token alone (one row per request)
+    and emits one token, as plain decoding does. SGLang's EAGLE worker runs it at
+    ``speculative_num_steps == 0`` (its draft extension still runs, so the next step can draft).
+    Has a shape's fields (``(0, 0, 1)``) so costs and labels read it like one."""
+
+    nsteps, topk, ndt = 0, 0, 1
+
+    def __repr__(self) -> str:
+        return "NO_DRAFT"
+
+    def __str__(self) -> str:
+        return "(no draft)"
+
+    def __lt__(self, other: object) -> bool:  # sorts before every tree
+        return not isinstance(other, NoDraft)
+
+
+NO_DRAFT = NoDraft()
+"""The one no-draft step (:class:`NoDraft`)."""
+
+
 def load_floor_shape(shapes: Iterable[TreeShape]) -> TreeShape:
     """The smallest tree a load-aware controller falls back to under a large batch: one draft
     step, one drafted token verified (``ndt = 2``), at the bank's smallest ``topk`` (SGLang's EAGLE

@@ -16,7 +16,8 @@ class StepTrace:
     batch as the policy sees it; ``ms``: host time from the shape's choice to the accept lengths,
     the draft and verify of the step; ``gap_ms``: from the previous step's accept lengths to this
     step's start when the batch is the same, i.e. the rest of the previous step -- its draft
-    extension and the scheduler --, else null). Line-buffered: a reader sees every finished step."""
+    extension and the scheduler --, else null; ``shape`` ``[0, 0, 1]``: a step the load controls ran
+    without drafting). Line-buffered: a reader sees every finished step."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -29,7 +30,8 @@ class StepTrace:
 
     def write(self, record, batch_size: int, gap_ms: float | None = None) -> None:
         s = record.shape
-        line = {"step": record.step, "shape": [s.nsteps, s.topk, s.ndt], "bs": batch_size, "accepted": record.accepted,
+        shape = [s.nsteps, s.topk, s.ndt] if s is not None else [0, 0, 1]  # None: a step that drafted nothing
+        line = {"step": record.step, "shape": shape, "bs": batch_size, "accepted": record.accepted,
                 "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3),
                 "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
         self._file.write(json.dumps(line) + "\n")

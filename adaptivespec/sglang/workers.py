@@ -11,6 +11,7 @@ verified step (trace file, ``/metrics``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -23,11 +24,12 @@ from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sglang import CONFIG_ENV
+from adaptivespec.sglang.draft_stage import MergedTrees, ServedDraftStage
 from adaptivespec.sglang.controller import TripletController, build_strategies, step_level_notice, verify_budget_from_env
 from adaptivespec.sglang.load_model import load_model_from_env
 from adaptivespec.sglang.metrics import SpecMetrics
 from adaptivespec.sglang.platform import unsupported_reason
-from adaptivespec.sglang.shapes import format_shapes
+from adaptivespec.sglang.shapes import NoDraft, format_shapes
 from adaptivespec.sglang.state_bank import KV_RESERVE, ShapeStateBank
 from adaptivespec.sglang.trace import StepTrace
 from adaptivespec.sglang.verification import VERIFYING
@@ -37,6 +39,18 @@ logger = logging.getLogger("adaptivespec.sglang")
 
 ew = importlib.import_module("sglang.srt.speculative.eagle_worker_v2")
 """SGLang's EAGLE worker module (the subclasses' bases, its context managers)."""
+eu = importlib.import_module("sglang.srt.speculative.eagle_utils")
+"""SGLang's tree-mask modes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """A runtime state's ``(nsteps, topk, ndt)`` where ``ndt`` may exceed what one head tree of
+    ``(nsteps, topk)`` holds: the wide verify states of merged trees."""
+
+    nsteps: int
+    topk: int
+    ndt: int
 
 
 @contextlib.contextmanager
@@ -98,6 +112,10 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         host = get_plugin_host()
         config = load_config(os.environ[CONFIG_ENV].strip())  # as register() read it
         policy, self.adaptivespec_verifier = build_strategies(config, host)
+        self.adaptivespec_stage = ServedDraftStage.from_config(config, host)
+        self.adaptivespec_wide: dict[int, Any] = {}  # verify width -> state (merged steps)
+        self.adaptivespec_undrafted_state = None  # the no-draft step's state (load controls)
+        self._adaptivespec_active: Any = None  # key of the active state (see _adaptivespec_apply)
         observe = host.has_observers("adaptivespec_step")
         trace = StepTrace.from_env()
         self.adaptivespec = TripletController(
@@ -107,11 +125,14 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
             load=load_model_from_env(),
             metrics=SpecMetrics.from_env(),
         )
+        # the load controls may run a step that drafts nothing (SGLang's nsteps == 0 path)
+        self.adaptivespec.undrafted = self.adaptivespec.load is not None or self.adaptivespec.verify_budget is not None
         notice = step_level_notice(policy)
         if notice:
             logger.warning("adaptivespec: %s", notice)
         bank = self.adaptivespec_bank = ShapeStateBank(self.adaptivespec.shapes)
         self.adaptivespec_shape = TreeShape(self.speculative_num_steps, self.topk, self.speculative_num_draft_tokens)
+        self._adaptivespec_active = self.adaptivespec_shape  # the start-up state
         top = bank.max_shape()
         if self.adaptivespec_shape != top:
             raise AdaptiveSpecError(
@@ -121,6 +142,14 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
                 f"--speculative-num-draft-tokens {top.ndt} (adaptivespec serve passes these)"
             )
         KV_RESERVE["len"] = bank.kv_alloc_len_per_decode(self.page_size)
+        stage = self.adaptivespec_stage
+        if stage is not None:
+            widest = max(stage.widths(bank.shapes))
+            KV_RESERVE["len"] = max(KV_RESERVE["len"], -(-widest // self.page_size) * self.page_size)
+            if self.adaptivespec.metrics is not None:
+                self.adaptivespec.metrics.declare_sources(stage.names)
+            logger.info("adaptivespec: draft stage with sources %s, up to %d extra verify rows",
+                        ", ".join(stage.names[1:]), stage.extra_slots)
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_topk = bank.max_topk() if bank.max_topk() > 1 else 0
         if bank.max_topk() == 1:
@@ -135,6 +164,38 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
             bank.register(self.adaptivespec_shape, self._adaptivespec_live_state())
         bank.build_missing(self._adaptivespec_capture)
         logger.info("adaptivespec: captured tree shapes %s", format_shapes(bank.keys()))
+        if self.adaptivespec_stage is not None:
+            deepest, widest_k = max(s.nsteps for s in bank.shapes), bank.max_topk()
+            for width in self.adaptivespec_stage.widths(bank.shapes):
+                self.adaptivespec_wide[width] = self._adaptivespec_capture(_Dims(deepest, widest_k, width))
+            logger.info("adaptivespec: merged-tree verify widths %s", sorted(self.adaptivespec_wide))
+        if self.adaptivespec.undrafted:
+            self.adaptivespec_undrafted_state = self._adaptivespec_undrafted()
+            logger.info("adaptivespec: no-draft step state built (load controls)")
+
+    def _adaptivespec_undrafted(self):
+        """The state of a step that drafts nothing: SGLang's ``speculative_num_steps == 0`` path
+        verifies the last token alone (one row per request), with a target verify backend for one
+        row; the draft backends are the live ones (its draft extension still runs). Eager on
+        every device (no graph is captured for it)."""
+        live = self._adaptivespec_live_state()
+        with self._override_worker_state(0, 1):
+            runner = self._target_worker.model_runner
+            backup = runner.init_new_workspace
+            try:
+                target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
+            finally:
+                runner.init_new_workspace = backup
+        return SpecRuntimeState(
+            speculative_num_steps=0,
+            speculative_num_draft_tokens=1,
+            draft_attn_backend=live.draft_attn_backend,
+            cuda_graph_runner=None,
+            target_attn_backend=target_attn_backend,
+            target_graph_runner=None,
+            draft_extend_attn_backend=live.draft_extend_attn_backend,
+            cuda_graph_runner_for_draft_extend=None,
+        )
 
     def _adaptivespec_live_state(self):
         dw, runner = self._draft_worker, self._target_worker.model_runner
@@ -149,7 +210,7 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
             cuda_graph_runner_for_draft_extend=dw.cuda_graph_runner_for_draft_extend,
         )
 
-    def _adaptivespec_capture(self, shape: TreeShape):
+    def _adaptivespec_capture(self, shape: "TreeShape | _Dims"):
         """Capture ``shape``'s state with SGLang's own builder, ``topk`` set around it (on a
         CPU: an eager state, :meth:`_adaptivespec_eager_state`)."""
         dw, saved = self._draft_worker, self.topk
@@ -168,7 +229,7 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
             self.topk = dw.topk = saved
             get_context().override("adaptivespec.capture_restore", speculative_eagle_topk=saved)
 
-    def _adaptivespec_eager_state(self, shape: TreeShape):
+    def _adaptivespec_eager_state(self, shape: "TreeShape | _Dims"):
         """``shape``'s state without graphs: SGLang's CPU attention backend (Intel AMX) has no
         CUDA-graph state, so ``build_adaptive_runtime_state`` cannot capture one. The draft
         backends (one per draft step) and the target's verify backend are built for the shape,
@@ -194,38 +255,123 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
             )
 
     def _adaptivespec_activate(self, shape: TreeShape) -> None:
-        if shape == self.adaptivespec_shape:
+        """Draft this step at ``shape`` (its bank state)."""
+        self.adaptivespec_shape = shape
+        if self._adaptivespec_active == shape:
             return
         state = self.adaptivespec_bank.get(shape)  # raises, naming the captured shapes
         self.topk = self._draft_worker.topk = shape.topk  # before apply: it rebuilds topk=1 buffers
-        if self.speculative_num_steps == shape.nsteps:
+        self._adaptivespec_apply(state, shape)
+        get_context().override("adaptivespec.apply", speculative_eagle_topk=shape.topk)
+
+    def _adaptivespec_apply(self, state, key) -> None:
+        """Make ``state`` (known as ``key``: a bank shape, a verify width, or NO_DRAFT) the active one."""
+        if self.speculative_num_steps == state.speculative_num_steps:
             self.speculative_num_steps = -1  # apply_runtime_state skips a state of the active depth
         self.apply_runtime_state(state)
-        get_context().override("adaptivespec.apply", speculative_eagle_topk=shape.topk)
-        self.adaptivespec_shape = shape
+        self._adaptivespec_active = key
+
+    def _adaptivespec_widen(self, width: int) -> None:
+        """Verify and draft-extend this step at ``width`` rows per request (a merged tree); the
+        drafted shape's state comes back at the next step's activation."""
+        state = self.adaptivespec_wide.get(width)
+        if state is None:
+            raise AdaptiveSpecError(f"adaptivespec: no verify state of width {width}; built: {sorted(self.adaptivespec_wide)}")
+        self._adaptivespec_apply(state, width)
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         spec = batch.spec_info
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        shape = None
         if decode and self._draft_worker is not None and getattr(spec, "topk_p", None) is not None:
             shape = self.adaptivespec.begin_step(spec.topk_p, [req.rid for req in batch.reqs])
-            if shape is not None:
-                if spec.topk_p.shape[1] < shape.topk:
-                    raise AdaptiveSpecError(
-                        f"adaptivespec: the draft input carries top-{spec.topk_p.shape[1]}, {shape} needs {shape.topk}"
-                    )
-                self._adaptivespec_activate(shape)
-                spec.topk_p = spec.topk_p[:, : shape.topk].contiguous()
-                spec.topk_index = spec.topk_index[:, : shape.topk].contiguous()
+        if isinstance(shape, NoDraft):
+            if self._adaptivespec_active is not shape:
+                self._adaptivespec_apply(self.adaptivespec_undrafted_state, shape)
+        elif shape is None:  # prefill, idle: the last drafted shape's state (not a wide or no-draft one)
+            if self._adaptivespec_active != self.adaptivespec_shape:
+                self._adaptivespec_activate(self.adaptivespec_shape)
+        else:
+            if spec.topk_p.shape[1] < shape.topk:
+                raise AdaptiveSpecError(
+                    f"adaptivespec: the draft input carries top-{spec.topk_p.shape[1]}, {shape} needs {shape.topk}"
+                )
+            self._adaptivespec_activate(shape)
+            spec.topk_p = spec.topk_p[:, : shape.topk].contiguous()
+            spec.topk_index = spec.topk_index[:, : shape.topk].contiguous()
         return super().forward_batch_generation(batch, *args, **kwargs)
 
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
+        stage = self.adaptivespec_stage
+        live = stage is not None and not batch.forward_mode.is_idle() and len(batch.reqs) > 0
+        merged = None
+        if live and self.speculative_num_steps == 0:  # a step that drafts nothing: the root alone
+            stage.unmerged([r.rid for r in batch.reqs], [])
+        elif live:
+            merged = self._adaptivespec_merge(batch)
         token = VERIFYING.set(self) if self.adaptivespec_verifier is not None else None
         try:
-            return super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
+            # a merged tree's accepted path need not be the front rows: SGLang compacts it for topk > 1
+            with _topk_as(self, 2 if merged is not None and self.topk == 1 else 0):
+                out = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         finally:
             if token is not None:
                 VERIFYING.reset(token)
+        if live:
+            self._adaptivespec_after_verify(batch, out, merged)
+        return out
+
+    def _adaptivespec_merge(self, batch) -> MergedTrees | None:
+        """Merge the sources' candidates into the head's verify input (``batch.spec_info``); on a
+        merge, the batch verifies the merged trees at their width. None: nothing to merge."""
+        spec, stage = batch.spec_info, self.adaptivespec_stage
+        reqs = batch.reqs
+        tries = stage.propose([(r.rid, r.origin_input_ids, r.output_ids) for r in reqs])
+        mode = self._draft_worker.tree_mask_mode
+        mask = self._target_worker.model_runner.attn_backend.verify_mask
+        if mask is not None:
+            mode = mask.mode
+        if getattr(spec, "kv_loc_plan", None) is not None or mode not in (eu.TreeMaskMode.QLEN_ONLY, eu.TreeMaskMode.FULL_MASK):
+            stage.unmerged([r.rid for r in reqs], tries)
+            if not getattr(self, "_adaptivespec_told", False):
+                logger.warning("adaptivespec: candidates not merged: this backend plans verify KV slots or packs "
+                               "its tree mask (%s); the head's trees verify alone", mode)
+                self._adaptivespec_told = True
+            return None
+        bs, ndt = len(reqs), spec.draft_token_num
+        merged = stage.merge(
+            head_tokens=spec.draft_token.view(bs, ndt), next_token=spec.retrieve_next_token,
+            next_sibling=spec.retrieve_next_sibling, seq_lens=batch.seq_lens, shape=self.adaptivespec_shape,
+            tries=tries, rids=[r.rid for r in reqs], full_mask=mode == eu.TreeMaskMode.FULL_MASK,
+            seq_lens_host=batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None,
+        )
+        if merged is None:
+            return None
+        layout = merged.layout
+        self._adaptivespec_widen(merged.width)
+        batch.spec_info = dataclasses.replace(
+            spec, draft_token=merged.tokens.reshape(-1).to(spec.draft_token.dtype), custom_mask=layout.custom_mask,
+            positions=layout.positions, retrieve_index=layout.retrieve_index,
+            retrieve_next_token=layout.retrieve_next_token, retrieve_next_sibling=layout.retrieve_next_sibling,
+            spec_steps=max(layout.depth, 1), topk=-1, draft_token_num=merged.width, num_tokens_per_req=-1,
+            draft_probs=None, prepared_out_cache_loc=None, prepared_mrope_positions=None, kv_loc_plan=None,
+        )
+        return merged
+
+    def _adaptivespec_after_verify(self, batch, out, merged: MergedTrees | None) -> None:
+        """Hand the step's emitted tokens to the sources (one host copy) and count what each
+        proposer got accepted."""
+        bs = len(batch.reqs)
+        lens = out.accept_lens.tolist()
+        if merged is not None or self.topk > 1:  # SGLang compacted the accepted path to the front
+            rows = out.next_token_ids.view(bs, -1).tolist()
+            emitted = [rows[b][: lens[b]] for b in range(bs)]
+        else:
+            flat, index = out.next_token_ids.tolist(), out.accept_index.tolist()
+            emitted = [[flat[i] for i in index[b][: lens[b]]] for b in range(bs)]
+        by_source = self.adaptivespec_stage.observe(out.accept_index if merged is not None else None, emitted)
+        if merged is not None:
+            self.adaptivespec.note_sources(by_source, merged.width)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)

@@ -1,0 +1,221 @@
+"""Our draft stage inside SGLang's EAGLE-3 worker: the head's tree and the candidate sources' tries,
+merged into one verify tree per request. No sglang import.
+
+The same proposal pieces as the torch runtime (:mod:`adaptivespec.proposal`): the config's
+registered :class:`~adaptivespec.strategies.CandidateSource` classes, with their lifecycle
+(``reset`` / ``extend`` / ``propose`` / ``observe``), and :func:`~adaptivespec.fusion.fuse`. What
+differs is where they run: one set of source instances per served request (keyed by SGLang's
+request id, rebuilt from the request's tokens whenever they do not match what the sources hold),
+and the head's tree comes from SGLang's draft, as its verify input laid it out.
+
+Merge rule (served): the head's tree, at the shape the policy chose, is kept whole; the sources'
+nodes, ranked by their scores, fill up to ``extra_slots`` further verify rows (a node the head also
+drafted is one node, and costs no slot). Every request of a batch is padded to the same width,
+``ndt + extra_slots`` (padding rows are unreachable, never accepted), because SGLang verifies a
+fixed number of tokens per request; a step where no request has candidates verifies the head's
+tree as SGLang built it, at ``ndt``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+
+from adaptivespec.fusion import fuse
+from adaptivespec.proposal import HEAD_NAME
+from adaptivespec.sglang.tree_layout import VerifyLayout, verify_layout
+from adaptivespec.sglang.verification import parents_from_retrieve
+from adaptivespec.strategies import CandidateSource
+from adaptivespec.types import CandidateTrie, TreeShape
+
+HEAD_FIRST = 2.0
+"""Fusion score of every head node: above any source score (at most 1), so the head's tree is kept
+whole and the sources fill the extra rows."""
+
+
+@attrs.define(eq=False)
+class _RequestState:
+    sources: list[CandidateSource]
+    seen: int = 0
+    """Tokens of the request (prompt + output) the sources hold."""
+
+
+@attrs.frozen(kw_only=True)
+class MergedTrees:
+    """One step's merged verify trees, ``width`` nodes per request (node 0 the root)."""
+
+    tokens: torch.Tensor  # [bs, width] int64
+    parents: torch.Tensor  # [bs, width] int64; -1 for the root and for padding
+    origin: list[list[int]]  # per request, per node: proposer bits (bit 0 the head, bit k + 1 source k)
+    layout: VerifyLayout
+    width: int
+    rids: tuple[Any, ...]
+    candidates: int
+    """Source nodes verified this step (not also drafted by the head), summed over requests."""
+
+
+class ServedDraftStage:
+    """Per-request candidate sources and the merge of their tries into SGLang's head tree.
+
+    A merged step verifies only the rows it needs: ``ndt`` plus the most nodes the sources added
+    to one request of the batch, rounded up to :attr:`ROW_STEP` (each width is a runtime state).
+
+    ``make_sources`` builds one request's sources (in config order); ``extra_slots`` is how many
+    verify rows they may add beyond the head's ``ndt`` (the largest of theirs, as in the torch runtime).
+    """
+
+    ROW_STEP = 4
+    """Extra verify rows come in multiples of this (fewer widths to build)."""
+
+    def __init__(self, make_sources: Callable[[], list[CandidateSource]], extra_slots: int) -> None:
+        self.make_sources = make_sources
+        probe = make_sources()
+        self.names = [HEAD_NAME, *(s.name for s in probe)]
+        self.extra_slots = extra_slots if extra_slots > 0 else max((s.extra_slots() for s in probe), default=0)
+        self._requests: dict[Any, _RequestState] = {}
+        self._last: MergedTrees | None = None
+        self._last_tries: list[list[CandidateTrie | None]] = []
+        self._rids: tuple[Any, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Any, host: Any) -> "ServedDraftStage | None":
+        """The stage of ``config``'s ``sources:`` (None when it lists none)."""
+        if not getattr(config, "sources", ()):
+            return None
+        entries = [(host.sources.get(s.name).cls, s.params) for s in config.sources]
+        return cls(lambda: [c(p) for c, p in entries], extra_slots=0)
+
+    def width(self, ndt: int, added: int | None = None) -> int:
+        """Verify rows per request of a merged step whose head trees have ``ndt`` nodes and whose
+        sources added at most ``added`` nodes to one request (default: all ``extra_slots``):
+        the extra rows rounded up to a multiple of :attr:`ROW_STEP`, at most ``extra_slots``."""
+        extra = self.extra_slots if added is None else min(-(-added // self.ROW_STEP) * self.ROW_STEP, self.extra_slots)
+        return ndt + extra
+
+    def widths(self, shapes: Sequence[TreeShape]) -> list[int]:
+        """Every verify width a merged step of these shapes may use (one runtime state each)."""
+        return sorted({self.width(s.ndt, a) for s in shapes for a in range(1, self.extra_slots + 1)})
+
+    # -- requests -----------------------------------------------------------------------------
+    def _sync(self, rid: Any, prompt: Sequence[int], output: Sequence[int]) -> _RequestState:
+        state = self._requests.get(rid)
+        n = len(prompt) + len(output)
+        if state is None or state.seen != n:  # new, or tokens it did not see (a retraction, a cut)
+            state = _RequestState(self.make_sources())
+            for s in state.sources:
+                s.reset(list(prompt))
+                if output:
+                    s.extend(list(output))
+            state.seen = n
+            self._requests[rid] = state
+        return state
+
+    def propose(self, requests: Sequence[tuple[Any, Sequence[int], Sequence[int]]]) -> list[list[CandidateTrie | None]]:
+        """Each request's tries, ``requests`` as ``(rid, prompt_ids, output_ids)``. Requests absent
+        from this batch are forgotten (a request that comes back is rebuilt from its tokens)."""
+        states = [self._sync(rid, p, o) for rid, p, o in requests]
+        live = {rid for rid, _, _ in requests}
+        for rid in [r for r in self._requests if r not in live]:
+            del self._requests[rid]
+        return [[s.propose() for s in st.sources] for st in states]
+
+    # -- one step ------------------------------------------------------------------------------
+    def merge(self, *, head_tokens: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
+              seq_lens: torch.Tensor, shape: TreeShape, tries: list[list[CandidateTrie | None]],
+              rids: Sequence[Any], full_mask: bool = False, seq_lens_host: Sequence[int] | None = None) -> MergedTrees | None:
+        """Merge the head's trees (SGLang's layout: ``head_tokens`` [bs, ndt], ``next_token`` /
+        ``next_sibling`` its ``retrieve_next_*``) with ``tries``; None when no request has a
+        candidate (the head's trees verify as SGLang built them)."""
+        if not any(t for per in tries for t in per):
+            self.unmerged(rids, tries)
+            return None
+        bs, ndt = head_tokens.shape
+        host = torch.stack([head_tokens.long(), next_token.long(), next_sibling.long()]).cpu().tolist()
+        trees, candidates = [], 0
+        for b in range(bs):
+            h_parents = parents_from_retrieve(host[1][b], host[2][b])
+            reach = _reachable(h_parents)
+            keep = [i for i in range(ndt) if reach[i]]
+            slot = {node: k for k, node in enumerate(keep)}
+            h_tok = [host[0][b][i] for i in keep]
+            h_par = [-1] + [slot[h_parents[i]] for i in keep[1:]]
+            fused = fuse(h_tok[0], len(keep) + self.extra_slots, shape, _HeadTree(h_tok, h_par),
+                         head_scores=[HEAD_FIRST] * len(keep), candidates=tries[b])
+            trees.append((fused, fused.tree.size - len(keep)))
+        added = max(a for _, a in trees)
+        if added <= 0:  # every candidate was already in the head's tree
+            self.unmerged(rids, tries)
+            return None
+        candidates = sum(a for _, a in trees)
+        width = self.width(ndt, added)
+        tokens = torch.zeros(bs, width, dtype=torch.long)
+        parents = torch.full((bs, width), -1, dtype=torch.long)
+        origin = []
+        for b, (fused, _) in enumerate(trees):
+            f_tok, f_par = torch.stack([fused.tree.tokens, fused.tree.parents]).tolist()
+            n = len(f_tok)
+            tokens[b, :n] = torch.tensor(f_tok)
+            tokens[b, n:] = f_tok[0]
+            parents[b, :n] = torch.tensor(f_par)
+            origin.append(fused.origin + [0] * (width - n))
+        device = head_tokens.device
+        tokens, parents = tokens.to(device), parents.to(device)
+        layout = verify_layout(parents, seq_lens, full_mask=full_mask, seq_lens_host=seq_lens_host)
+        merged = MergedTrees(tokens=tokens, parents=parents, origin=origin, layout=layout, width=width,
+                             rids=tuple(rids), candidates=candidates)
+        self._last, self._last_tries, self._rids = merged, tries, tuple(rids)
+        return merged
+
+    def unmerged(self, rids: Sequence[Any], tries: list[list[CandidateTrie | None]]) -> None:
+        """This step verifies the head's trees alone (``tries``: what the sources proposed, if
+        anything; they still learn from the step at :meth:`observe`)."""
+        self._last, self._last_tries, self._rids = None, tries, tuple(rids)
+
+    def observe(self, accept_index: torch.Tensor | None, emitted: Sequence[Sequence[int]]) -> dict[str, int]:
+        """The step of the last :meth:`merge` verified and emitted ``emitted[b]`` (accepted + bonus)
+        for request ``b``; ``accept_index`` [bs, depth + 1]: the accepted nodes' rows
+        (``b * width + node``, -1 padded), read only when the step was merged. The sources extend
+        their sequences and learn from the target's tokens; returns the accepted drafted tokens per
+        proposer of a merged step (a node two proposed counts for both; empty when not merged)."""
+        merged, tries, rids = self._last, self._last_tries, self._rids
+        out = {n: 0 for n in self.names} if merged is not None else {}
+        rows = accept_index.tolist() if merged is not None and accept_index is not None else None
+        for b, toks in enumerate(emitted):
+            if b >= len(rids):
+                break
+            toks = list(toks)
+            if rows is not None:
+                for r in rows[b][1:]:
+                    if r < 0:
+                        break
+                    bits = merged.origin[b][r - b * merged.width]
+                    for k, name in enumerate(self.names):
+                        if bits >> k & 1:
+                            out[name] += 1
+            state = self._requests.get(rids[b])
+            if state is None:
+                continue
+            state.seen += len(toks)
+            for s, t in zip(state.sources, tries[b] if b < len(tries) else [None] * len(state.sources)):
+                s.extend(toks)
+                if t:
+                    s.observe(t, toks)
+        return out
+
+
+def _reachable(parents: list[int]) -> list[bool]:
+    out = [True] + [False] * (len(parents) - 1)
+    for i in range(1, len(parents)):
+        p = parents[i]
+        out[i] = 0 <= p < i and out[p]
+    return out
+
+
+class _HeadTree:
+    """The fields of a :class:`~adaptivespec.types.DraftTree` that :func:`fuse` reads."""
+
+    def __init__(self, tokens: list[int], parents: list[int]) -> None:
+        self.tokens, self.parents = torch.tensor(tokens), torch.tensor(parents)
+        self.size = len(tokens)
