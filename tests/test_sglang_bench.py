@@ -138,3 +138,38 @@ def test_a_prompts_response_format_goes_to_sglangs_constrained_decoding():
     c.generate_ids([5, 6, 7], max_new_tokens=6)
     sent = [call[3] for call in FakeServer.instances[-1].calls if call != "flush"]
     assert sent == [{"regex": "[0-9]+"}, {}]
+
+
+def test_sglangs_adaptive_mode_is_a_row_that_says_not_supported_when_it_cannot_start(tmp_path, monkeypatch):
+    from adaptivespec.evaluation import bench
+    from adaptivespec.evaluation.datasets import Problem
+    from adaptivespec.evaluation.spec import BenchSpec, Entry
+    from adaptivespec.sglang.server import peer_command
+
+    argv, _ = peer_command("sglang-adaptive", 31000, device="cuda")
+    assert "--speculative-adaptive" in argv and argv[argv.index("--speculative-algorithm") + 1] == "EAGLE3"
+
+    class RefusesAdaptive(FakeServer):
+        def start(self):
+            if "--speculative-adaptive" in self.argv:
+                raise AdaptiveSpecError("SGLang server exited with 1 at start-up: NotImplementedError: init_cuda_graph_state")
+            return super().start()
+
+    real = sc.SGLangContender.__init__
+    monkeypatch.setattr(sc.SGLangContender, "__init__",
+                        lambda self, *a, **k: real(self, *a, **{**k, "server_factory": RefusesAdaptive}))
+    entries = (Entry(name="eagle3", config=load_config(ROOT / "configs" / "eagle3.yaml")),)
+    spec = BenchSpec(entries=entries, peers=("sglang", "sglang-adaptive"), dataset="gsm8k", max_new_tokens=6,
+                     backend="sglang")
+    problems = [Problem(id=f"p{i}", prompt="2+2?", reference="4", task="gsm8k") for i in range(2)]
+    results = bench.run_bench(spec, problems, tmp_path / "run", progress=False)
+    assert [r["name"] for r in results["configs"]] == ["eagle3", "sglang"]
+    assert results["unsupported"]["sglang-adaptive"].startswith("not supported here: SGLang server exited")
+    md = (tmp_path / "run" / "results.md").read_text()
+    assert "| `sglang-adaptive` | not supported here: SGLang server exited" in md
+    again = bench.run_bench(spec, problems, tmp_path / "run", progress=False)  # a resume does not retry it
+    assert again["unsupported"] == results["unsupported"]
+    # any other peer's failure to start is an error, as before
+    monkeypatch.setattr(RefusesAdaptive, "start", lambda self: (_ for _ in ()).throw(AdaptiveSpecError("no server")))
+    with pytest.raises(AdaptiveSpecError, match="no server"):
+        bench.run_bench(spec, problems, tmp_path / "run2", progress=False)

@@ -1,8 +1,11 @@
 """SGLang for real: servers on loopback on the embedded pair, with the adaptivespec plugin inside.
 
-Two launches in all (about a minute each on 2 cores): SGLang's own plain decoding (its outputs are
-taken, then it is stopped) and ``adaptivespec serve configs/adaptivespec-dynamic.yaml`` (the ``dcs``
-policy with the strict verifier, per-step trace on). Both are always stopped (process group).
+Three launches in all (about a minute each on 2 cores): SGLang's own plain decoding (its outputs are
+taken, then it is stopped), ``adaptivespec serve configs/adaptivespec-dynamic.yaml`` (the ``dcs``
+policy with the strict verifier, per-step trace on) and ``adaptivespec serve configs/hybrid.yaml``
+(the served draft stage: retrieval candidates merged into the head's tree; ``--verify-budget 16`` so
+that growing batches run smaller trees and, past 8 requests, steps that draft nothing). Each is
+always stopped (process group).
 
 Precision: SGLang's CPU kernels run bfloat16 only (``--dtype float32`` fails in their RMSNorm), so a
 strict config cannot be held to token-for-token equality with plain decoding: the verify forward
@@ -36,6 +39,7 @@ from adaptivespec.sglang.server import SGLangServer, free_port, peer_command, se
 
 ROOT = Path(__file__).resolve().parents[1]
 DCS_CONFIG = ROOT / "configs" / "adaptivespec-dynamic.yaml"
+HYBRID_CONFIG = ROOT / "configs" / "hybrid.yaml"
 NEAR_TIE = 0.5
 """Largest float32 logit gap between the two tokens where a strict served output may part from
 plain decoding (bf16 logits of this model move by ~0.1 between batch shapes)."""
@@ -47,6 +51,7 @@ PROMPTS = [
     "Summarize in one sentence: The cat sat on the mat all afternoon, watching birds outside.",
     "Name three primary colors.",
     "Explain what a prime number is.",
+    "Repeat this sentence three times, word for word: the small red fox runs over the old stone bridge.",
 ]
 
 
@@ -136,9 +141,9 @@ def _float32_gaps(model, prompt: list[int], output: list[int]) -> list[float]:
     return (logits.max(dim=1).values - chosen).tolist()
 
 
-def test_strict_config_matches_plain_decoding_up_to_bf16_near_ties(served, plain_outputs, prompt_ids, smol32):
-    server, _ = served
-    model, _ = smol32
+def _check_strict_against_plain(server, plain_outputs, prompt_ids, model) -> None:
+    """Every token a strict served config emits is the float32 argmax or a bf16 near-tie of it, and
+    where it parts from SGLang's plain decoding the two tokens are a near-tie (see the module docstring)."""
     identical, parted, gaps = 0, [], []
     for ids, plain in zip(prompt_ids, plain_outputs):
         server.flush_cache()
@@ -166,6 +171,11 @@ def test_strict_config_matches_plain_decoding_up_to_bf16_near_ties(served, plain
     assert exact >= 0.9, f"only {exact:.0%} of served tokens are the float32 argmax; parted from plain at {parted}"
     print(f"strict served vs SGLang plain: {identical}/{len(PROMPTS)} identical, parted at (token, float32 gap) "
           f"{parted}; {exact:.1%} of served tokens are the float32 argmax")
+
+
+def test_strict_config_matches_plain_decoding_up_to_bf16_near_ties(served, plain_outputs, prompt_ids, smol32):
+    server, _ = served
+    _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])
 
 
 def test_identical_requests_are_identical_once_the_prefix_cache_is_flushed(served, prompt_ids):
@@ -277,3 +287,74 @@ def test_soak_of_mixed_good_and_bad_requests(served):
     assert report.failures() == [], (data["failures"], data["examples"][:5])
     assert data["valid_completed"] == 160 and data["bad_4xx_naming_field"] == 40
     assert report.state_bounded() is True
+
+
+# -- the served draft stage: hybrid.yaml ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def served_hybrid(served, tmp_path_factory):
+    """``adaptivespec serve configs/hybrid.yaml --verify-budget 16``; the dcs server is stopped first
+    (one server at a time on 2 cores)."""
+    served[0].stop()
+    out = tmp_path_factory.mktemp("hybrid")
+    trace = out / "steps.jsonl"
+    argv, env = served_command(HYBRID_CONFIG, free_port(), trace=trace, verify_budget=16)
+    with SGLangServer(argv, env, out / "served.log") as server:
+        yield server, trace
+
+
+def test_hybrid_strict_matches_plain_decoding_and_merges_retrieval(served_hybrid, plain_outputs, prompt_ids, smol32):
+    from adaptivespec.sglang.metrics import parse_metrics
+
+    server, trace = served_hybrid
+    before = len(_trace(trace)) if trace.exists() else 0
+    _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])
+    series = parse_metrics(server.request("GET", "/metrics")[1])
+    # retrieval's candidates were verified in the head's tree, and some were accepted
+    assert series['adaptivespec_accepted_tokens_total{source="retrieval"}'] > 0, series
+    assert series['adaptivespec_accepted_tokens_total{source="head"}'] > 0
+    steps = _trace(trace)[before:]
+    assert steps and all(tuple(s["shape"]) == (3, 4, 8) and s["bs"] == 1 for s in steps)
+    # merged steps verify more rows than the head's 8
+    assert series["adaptivespec_verify_rows_per_step_sum"] > 8 * series["adaptivespec_verify_rows_per_step_count"]
+
+
+def test_hybrid_under_load_shrinks_trees_then_stops_drafting(served_hybrid, prompt_ids):
+    from adaptivespec.sglang.metrics import parse_metrics
+
+    server, trace = served_hybrid
+    before = len(_trace(trace))
+    jobs = [prompt_ids[i % len(prompt_ids)] for i in range(32)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda ids: server.generate(ids, 32, timeout=600), jobs))
+    assert all(1 <= r["meta_info"]["completion_tokens"] <= 32 for r in results)
+    assert server.alive()
+    steps = _trace(trace)[before:]
+    shapes = {tuple(s["shape"]) for s in steps if s["bs"] > 8}
+    assert (0, 0, 1) in shapes, shapes  # past 8 requests even the floor's 2 rows each exceed 16: no drafting
+    assert all(s["bs"] * s["shape"][2] <= 16 for s in steps if s["bs"] > 2)
+    series = parse_metrics(server.request("GET", "/metrics")[1])
+    assert series['adaptivespec_undrafted_steps_total{reason="load"}'] > 0
+
+
+def test_hybrid_serves_json_schema_requests_and_refuses_a_broken_schema(served_hybrid):
+    from adaptivespec.evaluation.datasets import load_dataset
+
+    server, _ = served_hybrid
+    problems = load_dataset("structured")[:4]
+    for p in problems:
+        schema = p.meta["response_format"]["schema"]
+        out = server.chat([{"role": "user", "content": p.prompt}], 160, response_format={"type": "json_schema",
+                          "json_schema": {"name": "out", "schema": schema}})
+        text = out["choices"][0]["message"]["content"]
+        if out["choices"][0]["finish_reason"] == "length":
+            continue  # cut by max_tokens: not a whole document
+        doc = json.loads(text)
+        for key in schema.get("required", []):
+            assert key in doc, (key, text)
+    broken = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    status, body = server.request("POST", "/v1/chat/completions", {
+        "model": "default", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": broken}}}, timeout=120)
+    assert 400 <= status < 500, (status, body)
+    assert server.alive()
+    assert server.generate([1, 2, 3], 4)["meta_info"]["completion_tokens"] == 4

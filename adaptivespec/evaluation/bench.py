@@ -54,6 +54,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 from tqdm import tqdm
 
 from adaptivespec.errors import AdaptiveSpecError
@@ -64,7 +65,7 @@ from adaptivespec.evaluation.peers import HfPeer
 from adaptivespec.evaluation.records import RunRecord
 from adaptivespec.evaluation.report import summarize, write_outputs
 from adaptivespec.evaluation.rundir import RECORDS, open_run_dir, read_records, settings_of
-from adaptivespec.evaluation.sglang_contenders import SGLANG_PEERS, SGLangContender, served_config_file
+from adaptivespec.evaluation.sglang_contenders import MAY_BE_UNSUPPORTED, SGLANG_PEERS, SGLangContender, served_config_file
 from adaptivespec.evaluation.spec import WARMUP_TOKENS, BenchSpec
 
 
@@ -80,18 +81,40 @@ def run_bench(spec: BenchSpec, problems: list[Problem], out: str | Path, *, prog
         dup = next(i for i in ids if ids.count(i) > 1)
         raise AdaptiveSpecError(f"--dataset: problem id {dup!r} appears twice; ids must be unique to resume")
     open_run_dir(out, settings_of(spec, problems))
+    unsupported = read_unsupported(out)
     done = {(r.config, r.id) for r in read_records(out, repair=True)}
-    todo = [(i, p, name) for i, p in enumerate(problems) for name in rotation(names, i) if (name, p.id) not in done]
+    todo = [(i, p, name) for i, p in enumerate(problems) for name in rotation(names, i)
+            if (name, p.id) not in done and name not in unsupported]
     if todo:
         structured = any(p.meta.get("response_format") is not None for p in problems)
-        contenders = build_contenders(spec, {name for _, _, name in todo}, structured=structured)
+        contenders = build_contenders(spec, {name for _, _, name in todo}, structured=structured, unsupported=unsupported)
+        write_unsupported(out, unsupported)
+        todo = [t for t in todo if t[2] not in unsupported]
+        names = [n for n in names if n not in unsupported]
         try:
             _run_todo(spec, problems, out, todo, names, contenders, progress)
         finally:
             close_contenders(contenders)
-    results = summarize(spec, problems, read_records(out))
+    ran = attrs.evolve(spec, peers=tuple(p for p in spec.peers if p not in unsupported))
+    results = summarize(ran, problems, read_records(out))
+    if unsupported:
+        results["unsupported"] = dict(unsupported)
     write_outputs(results, out, spec.columns)
     return results
+
+
+UNSUPPORTED_JSON = "unsupported.json"
+"""Peers that could not start in this run folder, with why (kept across resumes)."""
+
+
+def read_unsupported(out: Path) -> dict[str, str]:
+    path = out / UNSUPPORTED_JSON
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_unsupported(out: Path, unsupported: dict[str, str]) -> None:
+    if unsupported:
+        (out / UNSUPPORTED_JSON).write_text(json.dumps(unsupported, indent=1) + "\n")
 
 
 def rotation(names: list[str], index: int) -> list[str]:
@@ -100,9 +123,12 @@ def rotation(names: list[str], index: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def build_contenders(spec: BenchSpec, names: set[str], structured: bool = False) -> dict[str, Contender]:
+def build_contenders(spec: BenchSpec, names: set[str], structured: bool = False,
+                     unsupported: dict[str, str] | None = None) -> dict[str, Contender]:
     """Contenders for ``names`` (engines load the target once; peers reuse it). ``structured``:
-    prompts carry their own response formats (a structured-output dataset)."""
+    prompts carry their own response formats (a structured-output dataset). A peer of
+    :data:`MAY_BE_UNSUPPORTED` that cannot start is left out and its reason put in ``unsupported``
+    (without that dict, its failure is raised like any other)."""
     out: dict[str, Contender] = {}
     try:
         for entry in spec.entries:
@@ -115,7 +141,12 @@ def build_contenders(spec: BenchSpec, names: set[str], structured: bool = False)
         for peer in spec.peers:
             if peer in names:
                 if peer in SGLANG_PEERS:
-                    out[peer] = SGLangContender(peer, spec.entries[0].config, peer=peer)
+                    try:
+                        out[peer] = SGLangContender(peer, spec.entries[0].config, peer=peer)
+                    except AdaptiveSpecError as exc:
+                        if unsupported is None or peer not in MAY_BE_UNSUPPORTED:
+                            raise
+                        unsupported[peer] = f"not supported here: {exc}"
                 else:
                     out[peer] = HfPeer(peer, spec.entries[0].config)
     except BaseException:

@@ -43,7 +43,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--configs", nargs="+", required=True, metavar="FILE", help="YAML configs; each is named by its file stem")
     _add_common(p)
     p.add_argument("--peers", metavar="NAMES", help="comma-separated baselines run alongside: hf-generate, "
-                   "hf-prompt-lookup (transformers); sglang, sglang-eagle3, sglang-ngram (SGLang servers)")
+                   "hf-prompt-lookup (transformers); sglang, sglang-eagle3, sglang-ngram, sglang-adaptive (SGLang servers; sglang-adaptive is reported as not supported where it cannot start)")
     p.add_argument("--backend", choices=("torch", "sglang"), default="torch",
                    help="run the configs on adaptivespec's torch engine (default) or served by SGLang with the "
                         "plugin (adaptivespec serve; one server per config, started and stopped by the bench)")

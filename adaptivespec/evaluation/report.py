@@ -154,6 +154,8 @@ def markdown(results: dict[str, Any], extra_columns: list[str] = ()) -> str:
                  "–" if r["answer_agreement"] is None else f"{100 * r['answer_agreement']:.1f}% ({r['answers_equal']}/{r['answers_compared']})",
                  format_value(None if r["identical_outputs"] is None else 100 * r["identical_outputs"], ".0f", "%")]
         lines.append("| " + " | ".join(cells) + " |")
+    for name, why in (results.get("unsupported") or {}).items():
+        lines.append(f"| `{name}` | {why} |" + " |" * (len(head) - 2))
     return "\n".join(lines) + "\n" + category_markdown(results)
 
 

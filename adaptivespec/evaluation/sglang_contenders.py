@@ -37,7 +37,11 @@ SGLANG_PEERS = {
     "sglang": "SGLang's plain decoding (its Intel AMX kernels on a CPU)",
     "sglang-eagle3": "SGLang's static EAGLE-3 with the shipped head at configs/eagle3.yaml's shape",
     "sglang-ngram": "SGLang's n-gram drafting (NGRAM)",
+    "sglang-adaptive": "SGLang's own adaptive speculation (--speculative-adaptive) from configs/eagle3.yaml's shape; "
+                       "reported as not supported where the server refuses to start (SGLang 0.5.23 on a CPU)",
 }
+MAY_BE_UNSUPPORTED = ("sglang-adaptive",)
+"""Peers whose failure to start is a result (the row says "not supported here" and why), not an error."""
 BENCH_KV_TOKENS = 16384
 """``--max-total-tokens`` of each bench server (several run side by side; one prompt at a time)."""
 
@@ -189,7 +193,7 @@ def describe_sglang_peer(name: str, config: Config) -> dict[str, Any]:
 
     out: dict[str, Any] = {"peer": name, "what": SGLANG_PEERS[name], "model": {"target": config.model.target},
                            "runtime": {"engine": "sglang", "max_total_tokens": BENCH_KV_TOKENS}}
-    if name == "sglang-eagle3":
+    if name in ("sglang-eagle3", "sglang-adaptive"):
         out["model"]["drafter"] = config.model.drafter
         out["shape"] = "configs/eagle3.yaml"
     if name == "sglang-ngram":

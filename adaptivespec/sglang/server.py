@@ -31,7 +31,7 @@ from adaptivespec.sglang import CONFIG_ENV, serve
 from adaptivespec.sglang.platform import cpu_args, cpu_env, detect_device
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_MODES = ("sglang", "sglang-eagle3", "sglang-ngram")
+PEER_MODES = ("sglang", "sglang-eagle3", "sglang-ngram", "sglang-adaptive")
 """SGLang's own decoding modes, as ``bench --peers`` names them."""
 
 NGRAM_DRAFT_TOKENS = 12
@@ -68,11 +68,13 @@ def peer_command(mode: str, port: int, *, config: str | Path | None = None, extr
     device = device or detect_device()
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", target,
             "--host", "127.0.0.1", "--port", str(port), "--disable-overlap-schedule"]
-    if mode == "sglang-eagle3":
+    if mode in ("sglang-eagle3", "sglang-adaptive"):
         _, top = serve.bank_shapes(eagle3)
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter,
                  "--speculative-num-steps", str(top.nsteps), "--speculative-eagle-topk", str(top.topk),
                  "--speculative-num-draft-tokens", str(top.ndt)]
+        if mode == "sglang-adaptive":  # SGLang's own per-step depth choice (topk 1 chains, from eagle3's start)
+            argv.append("--speculative-adaptive")
     elif mode == "sglang-ngram":
         argv += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(NGRAM_DRAFT_TOKENS)]
     if device == "cpu":

@@ -17,6 +17,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from sglang.srt.runtime_context import get_context, get_parallel, get_spec
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
@@ -305,8 +307,10 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         stage = self.adaptivespec_stage
         live = stage is not None and not batch.forward_mode.is_idle() and len(batch.reqs) > 0
         merged = None
-        if live and self.speculative_num_steps == 0:  # a step that drafts nothing: the root alone
-            stage.unmerged([r.rid for r in batch.reqs], [])
+        if self.speculative_num_steps == 0 and not batch.forward_mode.is_idle():  # a step that drafts nothing
+            self._adaptivespec_root_only(batch)
+            if live:
+                stage.unmerged([r.rid for r in batch.reqs], [])
         elif live:
             merged = self._adaptivespec_merge(batch)
         token = VERIFYING.set(self) if self.adaptivespec_verifier is not None else None
@@ -320,6 +324,18 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         if live:
             self._adaptivespec_after_verify(batch, out, merged)
         return out
+
+    @staticmethod
+    def _adaptivespec_root_only(batch) -> None:
+        """The no-draft step's verify input as a one-node chain: SGLang's own (``_build_trivial_verify_input``)
+        carries a prefix-sized mask that its CPU attention kernel refuses (it expects one cell per
+        request) and int32 tokens that its CPU verify kernel refuses (int64 like the retrieve
+        arrays); a chain (``topk`` 1) needs no mask, and the attention kernel takes its mask-free path."""
+        spec = batch.spec_info
+        bs = len(batch.reqs)
+        batch.spec_info = dataclasses.replace(
+            spec, topk=1, draft_token=spec.draft_token.long(), num_tokens_per_req=-1,
+            custom_mask=torch.ones(bs, dtype=torch.bool, device=spec.positions.device))
 
     def _adaptivespec_merge(self, batch) -> MergedTrees | None:
         """Merge the sources' candidates into the head's verify input (``batch.spec_info``); on a
