@@ -12,7 +12,8 @@ CUDA-graph runtime in float32, compared with greedy decoding (lossless configs m
 Phase ``serve`` (:mod:`serve_check`, where sglang imports and the embedded model is installed):
 ``adaptivespec serve --config configs/eagle3.yaml`` on the embedded pair (adaptivespec installed offline
 first when it is not, so that SGLang finds the plugin), three greedy requests through its OpenAI API
-and its native ``/generate`` (accept length), then the server is stopped.
+and its native ``/generate`` (accept length), then the server is stopped; then the same for
+``configs/hybrid.yaml`` (the served draft stage) when two minutes of the budget are left.
 
 Phase ``train`` (:mod:`train_check`): ``train-drafter --device cuda`` warm-started on a slice of the
 broad corpus with the feature cache, a short run: cache build time and training tokens/s.
@@ -344,6 +345,13 @@ def main(argv=None) -> int:
             print("gpu_check: serve ...", file=sys.stderr, flush=True)
             report["serve"] = serve_check.serve_check(deadline=deadline, startup_s=args.serve_startup_s, log_dir=out_dir,
                                                       log=lambda m: print(m, file=sys.stderr, flush=True), env_info=env_info)
+            # the served draft stage (retrieval merged into the head's tree: FULL_MASK layout, wide verify graphs)
+            if "skipped" not in report["serve"] and deadline - time.monotonic() >= 120:
+                print("gpu_check: serve hybrid ...", file=sys.stderr, flush=True)
+                report["serve_hybrid"] = serve_check.serve_check(
+                    "configs/hybrid.yaml", deadline=deadline, startup_s=args.serve_startup_s, log_dir=out_dir / "hybrid",
+                    log=lambda m: print(m, file=sys.stderr, flush=True), env_info=env_info)
+                report["failures"] += [f"hybrid {f}" for f in serve_check.failures(report["serve_hybrid"])]
         report["failures"] += serve_check.failures(report["serve"])
     for item in args.models.split(",") if "models" in phases else ():
         if time.monotonic() > deadline:
@@ -389,6 +397,8 @@ def main(argv=None) -> int:
         md += "\n" + configs_markdown(report["configs"])
     if "environment" in report:
         md += "\n" + serve_check.markdown(report["environment"], report.get("serve"))
+        if "serve_hybrid" in report:
+            md += "\n" + serve_check.markdown({}, report["serve_hybrid"]).split("\n", 4)[-1]
     if "train" in report:
         md += "\n" + train_check.markdown(report["train"])
     (out_dir / "gpu_check.md").write_text(md)

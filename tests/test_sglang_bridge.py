@@ -211,7 +211,7 @@ def test_load_model_drafts_nothing_when_one_row_per_request_gives_more():
     for shape in shapes:
         probe.observe(shape, 0.2)
     picks = [probe.choose(DEEP, 8, shapes, undrafted=True) for _ in range(8)]
-    assert picks == [NO_DRAFT] * 3 + [DEEP] + [NO_DRAFT] * 3 + [DEEP]
+    assert picks == [NO_DRAFT] * 3 + [floor] + [NO_DRAFT] * 3 + [floor]  # probes at the cheapest tree
     load.observe(NO_DRAFT, 0.0)  # ignored: nothing was drafted
     assert load.accepted(floor) == pytest.approx(0.2)
 
@@ -532,3 +532,36 @@ def test_retrieve_layout_round_trip_and_argument_checks():
         wrap_verify(StrictVerifier(), candidates=torch.zeros(1, 8, dtype=torch.long), retrieve_index=index,
                     retrieve_next_token=next_token, retrieve_next_sibling=next_sibling, logits=torch.zeros(7, 4),
                     spec_steps=3, topk=3)
+
+
+def test_a_merged_step_records_its_width_and_the_accepted_tokens_of_each_proposer():
+    from prometheus_client import CollectorRegistry
+
+    from adaptivespec.sglang.metrics import SpecMetrics, parse_metrics
+    from adaptivespec.sglang.trace import StepTrace
+
+    reg = CollectorRegistry()
+    metrics = SpecMetrics(reg)
+    metrics.declare_sources(["head", "retrieval"])
+    c = TripletController(StubPolicy(), metrics=metrics)
+    assert c.begin_step(probs(0.9, 0.9)) == DEEP
+    c.note_sources({"head": 2, "retrieval": 5}, width=16)
+    record = c.observe([4, 3])
+    assert record.tree_size == 16 and record.shape == DEEP
+    from prometheus_client import generate_latest
+
+    series = parse_metrics(generate_latest(reg).decode())
+    assert series['adaptivespec_accepted_tokens_total{source="retrieval"}'] == 5
+    assert series['adaptivespec_accepted_tokens_total{source="head"}'] == 2
+    assert series["adaptivespec_verify_rows_per_step_sum"] == 32  # 2 requests x 16 rows
+    c.begin_step(probs(0.9))  # an unmerged step: the shape's rows, all the head's
+    assert c.observe([1]).tree_size == DEEP.ndt
+
+
+def test_load_model_prices_the_rows_a_merged_tree_really_verified():
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=1.0))
+    load.observe(DEEP, 2.0)
+    assert load.rows(DEEP) == DEEP.ndt and load.step_ms(DEEP, 2) == pytest.approx(20 + 2 * DEEP.ndt)
+    load.observe(DEEP, 2.0, rows=16)  # the draft stage added 8 rows: the moving average moves toward 16
+    assert DEEP.ndt < load.rows(DEEP) < 16
+    assert load.step_ms(DEEP, 2) == pytest.approx(20 + 2 * load.rows(DEEP))

@@ -29,7 +29,9 @@ from adaptivespec.costmodel import CostModel, machine_info
 
 
 def step_times(records: list[dict]) -> list[tuple[int, tuple[int, int, int], float]]:
-    """``(bs, shape, ms)`` per whole step of one server's trace lines, in order: a step's draft and
+    """``(bs, shape, ms)`` per whole step of one server's trace lines, in order (``shape``'s ``ndt``
+    replaced by the rows the step verified where the line says: a merged tree's width, or 1 for a
+    step that drafted nothing, shape ``(0, 0, 1)``): a step's draft and
     verify (``ms``) plus the rest of it (the next line's ``gap_ms``: its draft extension and the
     scheduler, known when the batch stayed the same). Traces written before ``gap_ms`` existed
     give ``ms`` alone."""
@@ -44,7 +46,10 @@ def step_times(records: list[dict]) -> list[tuple[int, tuple[int, int, int], flo
             if nxt is None or nxt.get("gap_ms") is None or nxt["bs"] != rec["bs"]:
                 continue
             ms = ms + nxt["gap_ms"]
-        out.append((int(rec["bs"]), tuple(rec["shape"]), float(ms)))
+        shape = tuple(rec["shape"])
+        if "rows" in rec:  # a merged tree verifies more rows than its shape's ndt
+            shape = (shape[0], shape[1], int(rec["rows"]))
+        out.append((int(rec["bs"]), shape, float(ms)))
     return out
 
 

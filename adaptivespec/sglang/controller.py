@@ -220,13 +220,13 @@ class TripletController:
         if isinstance(p.shape, NoDraft):
             return self._observe_undrafted(p, per_request, step_ms)
         if self.load is not None:
-            self.load.observe(p.shape, _reduce(per_request, "mean"))
+            self.load.observe(p.shape, _reduce(per_request, "mean"), rows=p.width)
         accepted = int(_reduce(per_request, self.batch_reduce))
         promoted = int(_reduce(p.promoted, self.batch_reduce)) if p.promoted else 0
         record = StepRecord(
             step=p.step,
             shape=p.shape,
-            tree_size=p.shape.ndt,
+            tree_size=p.width or p.shape.ndt,  # a merged tree's rows (the draft stage), else the shape's
             accepted=accepted,
             promoted=promoted,
             new_tokens=accepted + 1,

@@ -45,13 +45,18 @@ class LoadModel:
         self.cost, self.decay, self.probe_every = cost, decay, probe_every
         self._undrafted_in_a_row = 0
         self._accepted: dict[TreeShape, float] = {}
+        self._rows: dict[TreeShape, float] = {}  # verified rows per request (the draft stage may add some)
         self._overall: float | None = None
 
-    def observe(self, shape: "TreeShape | NoDraft", accepted: float) -> None:
-        """A step ran at ``shape`` and accepted ``accepted`` drafted tokens per request (batch mean)."""
+    def observe(self, shape: "TreeShape | NoDraft", accepted: float, rows: int | None = None) -> None:
+        """A step ran at ``shape`` and accepted ``accepted`` drafted tokens per request (batch mean),
+        verifying ``rows`` tokens per request (default ``shape.ndt``; more when the draft stage
+        merged candidates in: the step's cost counts them)."""
         if isinstance(shape, NoDraft):
             return
         d = self.decay
+        r, prev_rows = float(rows or shape.ndt), self._rows.get(shape)
+        self._rows[shape] = r if prev_rows is None else d * prev_rows + (1 - d) * r
         prev = self._accepted.get(shape)
         self._accepted[shape] = accepted if prev is None else d * prev + (1 - d) * accepted
         self._overall = accepted if self._overall is None else d * self._overall + (1 - d) * accepted
@@ -63,8 +68,12 @@ class LoadModel:
             return self._accepted[shape]
         return min(float(shape.nsteps), self._overall if self._overall is not None else 1.0)
 
+    def rows(self, shape: "TreeShape | NoDraft") -> float:
+        """Expected verified rows per request at ``shape``: the moving average of what ran, else ``ndt``."""
+        return self._rows.get(shape, float(shape.ndt)) if not isinstance(shape, NoDraft) else 1.0
+
     def step_ms(self, shape: "TreeShape | NoDraft", batch_size: int) -> float:
-        return self.cost.step_ms(verified=batch_size * shape.ndt, levels=shape.nsteps,
+        return self.cost.step_ms(verified=batch_size * self.rows(shape), levels=shape.nsteps,
                                  nodes=batch_size * shape.nsteps * shape.topk, context=0.0)
 
     def tokens_per_s(self, shape: "TreeShape | NoDraft", batch_size: int) -> float:
@@ -83,11 +92,12 @@ class LoadModel:
                 if rate > best_rate:
                     best, best_rate = s, rate
         if isinstance(best, NoDraft):
-            # acceptance is only learned by drafting: every probe_every-th undrafted choice drafts
+            # acceptance is only learned by drafting: every probe_every-th undrafted choice drafts,
+            # at the bank's cheapest tree (a probe at a large tree costs several undrafted steps)
             self._undrafted_in_a_row += 1
             if self._undrafted_in_a_row > self.probe_every:
                 self._undrafted_in_a_row = 0
-                return shape
+                return min((s for s in shapes if s.ndt <= shape.ndt), key=lambda s: (s.ndt, s.nsteps * s.topk), default=shape)
         else:
             self._undrafted_in_a_row = 0
         return best

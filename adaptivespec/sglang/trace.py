@@ -11,8 +11,9 @@ from adaptivespec.sglang import TRACE_ENV
 
 class StepTrace:
     """JSON lines, one per observed decode step, appended to the file ``ADAPTIVESPEC_SGLANG_TRACE``
-    names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "bs",
-    "accepted", "ms", "gap_ms", "policy"}`` (``accepted``: drafted tokens accepted, reduced over the
+    names (``adaptivespec serve --trace``): ``{"step", "shape": [nsteps, topk, ndt], "rows", "bs",
+    "accepted", "ms", "gap_ms", "policy"}`` (``rows``: tokens verified per request, ``ndt`` or a
+    merged tree's width (the draft stage's candidates added) or 1 (no drafting); ``accepted``: drafted tokens accepted, reduced over the
     batch as the policy sees it; ``ms``: host time from the shape's choice to the accept lengths,
     the draft and verify of the step; ``gap_ms``: from the previous step's accept lengths to this
     step's start when the batch is the same, i.e. the rest of the previous step -- its draft
@@ -31,7 +32,7 @@ class StepTrace:
     def write(self, record, batch_size: int, gap_ms: float | None = None) -> None:
         s = record.shape
         shape = [s.nsteps, s.topk, s.ndt] if s is not None else [0, 0, 1]  # None: a step that drafted nothing
-        line = {"step": record.step, "shape": shape, "bs": batch_size, "accepted": record.accepted,
+        line = {"step": record.step, "shape": shape, "rows": record.tree_size, "bs": batch_size, "accepted": record.accepted,
                 "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3),
                 "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
         self._file.write(json.dumps(line) + "\n")
