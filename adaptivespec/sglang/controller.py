@@ -241,14 +241,19 @@ class TripletController:
         )
         self.policy.observe(record)
         self._last_accepted = accepted
+        if self.metrics is not None:
+            self.metrics.observe_step(shape=p.shape, accepted_per_request=per_request, policy_shape=p.requested,
+                                      accepted_by_source=p.by_source, verify_width=p.width)
+        return self._publish(record, p)
+
+    def _publish(self, record: StepRecord, p: _PendingStep) -> StepRecord:
+        """Hand a step's record to the observers, the trace and the state gauges."""
         self.last_record = record
         if self.on_record is not None:
             self.on_record(record)
         if self.on_trace is not None:
             self.on_trace(record, p.batch_size, p.gap_ms)
         if self.metrics is not None:
-            self.metrics.observe_step(shape=p.shape, accepted_per_request=per_request, policy_shape=p.requested,
-                                      accepted_by_source=p.by_source, verify_width=p.width)
             self.metrics.observe_state(pending=len(self._pending), tracked=len(self._last_requests or ()))
         return record
 
@@ -259,16 +264,10 @@ class TripletController:
         record = StepRecord(step=p.step, shape=None, tree_size=1, accepted=0, promoted=0, new_tokens=1, draft_ms=0.0,
                             verify_ms=step_ms, other_ms=p.gap_ms or 0.0, signals=p.signals,
                             policy_state={**p.policy_state, "undrafted": "load"})
-        self.last_record = record
-        if self.on_record is not None:
-            self.on_record(record)
-        if self.on_trace is not None:
-            self.on_trace(record, p.batch_size, p.gap_ms)
         if self.metrics is not None:
             self.metrics.observe_undrafted("load")
             self.metrics.verify_rows.observe(len(per_request))
-            self.metrics.observe_state(pending=len(self._pending), tracked=len(self._last_requests or ()))
-        return record
+        return self._publish(record, p)
 
 
 TREE_RULES = ("select_level", "select_final", "verify_shape", "observe_tree")

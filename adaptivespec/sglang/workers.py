@@ -71,6 +71,20 @@ def _is_cpu_device(device: Any) -> bool:
     return str(device).split(":")[0] == "cpu"
 
 
+def _eager_state(nsteps: int, ndt: int, draft_backend, draft_extend_backend, target_backend) -> SpecRuntimeState:
+    """A runtime state without graphs (every forward eager)."""
+    return SpecRuntimeState(
+        speculative_num_steps=nsteps,
+        speculative_num_draft_tokens=ndt,
+        draft_attn_backend=draft_backend,
+        cuda_graph_runner=None,
+        target_attn_backend=target_backend,
+        target_graph_runner=None,
+        draft_extend_attn_backend=draft_extend_backend,
+        cuda_graph_runner_for_draft_extend=None,
+    )
+
+
 class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
     """Draft worker whose draft-extend hands the next step the bank's widest first level.
 
@@ -182,22 +196,16 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         every device (no graph is captured for it)."""
         live = self._adaptivespec_live_state()
         with self._override_worker_state(0, 1):
-            runner = self._target_worker.model_runner
-            backup = runner.init_new_workspace
-            try:
-                target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
-            finally:
-                runner.init_new_workspace = backup
-        return SpecRuntimeState(
-            speculative_num_steps=0,
-            speculative_num_draft_tokens=1,
-            draft_attn_backend=live.draft_attn_backend,
-            cuda_graph_runner=None,
-            target_attn_backend=target_attn_backend,
-            target_graph_runner=None,
-            draft_extend_attn_backend=live.draft_extend_attn_backend,
-            cuda_graph_runner_for_draft_extend=None,
-        )
+            return _eager_state(0, 1, live.draft_attn_backend, live.draft_extend_attn_backend, self._adaptivespec_verify_backend())
+
+    def _adaptivespec_verify_backend(self):
+        """A new target attention backend sized by the (overridden) speculative settings."""
+        runner = self._target_worker.model_runner
+        backup = runner.init_new_workspace
+        try:
+            return runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            runner.init_new_workspace = backup
 
     def _adaptivespec_live_state(self):
         dw, runner = self._draft_worker, self._target_worker.model_runner
@@ -239,22 +247,8 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         dw = self._draft_worker
         with self._override_worker_state(shape.nsteps, shape.ndt):
             dw.init_attention_backend()
-            runner = self._target_worker.model_runner
-            backup = runner.init_new_workspace
-            try:
-                target_attn_backend = runner._get_attention_backend(init_new_workspace=True)
-            finally:
-                runner.init_new_workspace = backup
-            return SpecRuntimeState(
-                speculative_num_steps=shape.nsteps,
-                speculative_num_draft_tokens=shape.ndt,
-                draft_attn_backend=dw.draft_attn_backend,
-                cuda_graph_runner=None,
-                target_attn_backend=target_attn_backend,
-                target_graph_runner=None,
-                draft_extend_attn_backend=dw.draft_extend_attn_backend,
-                cuda_graph_runner_for_draft_extend=None,
-            )
+            return _eager_state(shape.nsteps, shape.ndt, dw.draft_attn_backend, dw.draft_extend_attn_backend,
+                                self._adaptivespec_verify_backend())
 
     def _adaptivespec_activate(self, shape: TreeShape) -> None:
         """Draft this step at ``shape`` (its bank state)."""
