@@ -84,7 +84,7 @@ def fake_run(tmp_path, monkeypatch):
     log: list = []
     fakes = {"ar": FakeContender("ar", "config", ENGINE_STATS, None, log),
              "hf-generate": FakeContender("hf-generate", "peer", PEER_STATS, 7, log)}
-    monkeypatch.setattr(bench, "build_contenders", lambda spec, names, structured=False: {n: fakes[n] for n in spec.names if n in names})
+    monkeypatch.setattr(bench, "build_contenders", lambda spec, names, structured=False, **_: {n: fakes[n] for n in spec.names if n in names})
     entries = (Entry(name="ar", config=load_config(ROOT / "configs" / "ar.yaml")),
                Entry(name="lossy[k=0.5]", config=load_config(ROOT / "configs" / "adaptivespec-lossy.yaml"),
                      sweep={"verifier.kappa": 0.5}))
