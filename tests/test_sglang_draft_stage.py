@@ -232,3 +232,21 @@ def test_layouts_equal_sglangs_own_and_its_greedy_verify_walks_merged_trees():
     assert out["verify"][1] == [[0, 1, 3, -1], [11, 13, 98]]
     # nothing matches: the root only, its bonus
     assert out["verify"][2] == [[0, -1, -1, -1], [50]]
+
+
+def test_with_the_heads_scores_a_source_node_takes_a_weak_head_nodes_row():
+    stage = ServedDraftStage(lambda: [ListSource(chain=[7, 30, 31], score=0.6, extra=1)], extra_slots=0)
+    tries = stage.propose([("a", [1], [5])])
+    tokens, nxt, sib = _head([[5, 7, 6, 8]], [[-1, 0, 0, 1]])
+    # node 2 (token 6) is a weak sibling: 0.05; the chain 7 -> 30 -> 31 scores 0.6 each level
+    scores = torch.tensor([[0.9, 0.05, 0.5]])
+    merged = stage.merge(head_tokens=tokens, next_token=nxt, next_sibling=sib, seq_lens=torch.tensor([2]),
+                         shape=SHAPE, tries=tries, rids=["a"], head_scores=scores)
+    # budget 4 + 1: the chain 7 -> 30 -> 31 displaced the weak head node 6
+    assert merged.tokens[0].tolist() == [5, 7, 8, 30, 31] and merged.parents[0].tolist() == [-1, 0, 1, 1, 3]
+    assert merged.origin[0] == [0, 3, 1, 2, 2] and merged.width == 5  # 4 + the one extra row (extra_slots 1)
+    head_first = ServedDraftStage(lambda: [ListSource(chain=[7, 30, 31], score=0.6, extra=1)], extra_slots=0)
+    t2 = head_first.propose([("a", [1], [5])])
+    m2 = head_first.merge(head_tokens=tokens, next_token=nxt, next_sibling=sib, seq_lens=torch.tensor([2]),
+                          shape=SHAPE, tries=t2, rids=["a"])
+    assert m2.tokens[0].tolist()[:5] == [5, 7, 6, 8, 30]  # head kept whole, one source row

@@ -8,16 +8,19 @@ differs is where they run: one set of source instances per served request (keyed
 request id, rebuilt from the request's tokens whenever they do not match what the sources hold),
 and the head's tree comes from SGLang's draft, as its verify input laid it out.
 
-Merge rule (served): the head's tree, at the shape the policy chose, is kept whole; the sources'
-nodes, ranked by their scores, fill up to ``extra_slots`` further verify rows (a node the head also
-drafted is one node, and costs no slot). Every request of a batch is padded to the same width,
-``ndt + extra_slots`` (padding rows are unreachable, never accepted), because SGLang verifies a
-fixed number of tokens per request; a step where no request has candidates verifies the head's
-tree as SGLang built it, at ``ndt``.
+Merge rule (served): the head's nodes (scored by the draft's path probabilities, when SGLang's
+draft kept them) and the sources' nodes (by their own scores) are ranked together in at most
+``ndt + extra_slots`` rows, as the torch runtime's fusion ranks them; without the head's scores the
+head's tree is kept whole and the sources fill the extra rows. A node the head also drafted is one
+node. SGLang verifies the same number of tokens for every request of a batch, so each request is
+padded (padding rows are unreachable, never accepted) to ``ndt`` plus the most nodes the sources
+added to one request, rounded up to a multiple of 4; a step where no source adds a node verifies
+the head's trees as SGLang built them, at ``ndt``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -124,15 +127,22 @@ class ServedDraftStage:
     # -- one step ------------------------------------------------------------------------------
     def merge(self, *, head_tokens: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
               seq_lens: torch.Tensor, shape: TreeShape, tries: list[list[CandidateTrie | None]],
-              rids: Sequence[Any], full_mask: bool = False, seq_lens_host: Sequence[int] | None = None) -> MergedTrees | None:
+              rids: Sequence[Any], full_mask: bool = False, seq_lens_host: Sequence[int] | None = None,
+              head_scores: torch.Tensor | None = None) -> MergedTrees | None:
         """Merge the head's trees (SGLang's layout: ``head_tokens`` [bs, ndt], ``next_token`` /
         ``next_sibling`` its ``retrieve_next_*``) with ``tries``; None when no request has a
-        candidate (the head's trees verify as SGLang built them)."""
+        candidate (the head's trees verify as SGLang built them).
+
+        ``head_scores`` [bs, ndt - 1]: the draft's path probability of every head node but the
+        root (what SGLang ranked them by): head and source nodes are then ranked together, as the
+        torch runtime's fusion does, and a source node may take a weak head node's row. None: the
+        head's tree is kept whole (:data:`HEAD_FIRST`)."""
         if not any(t for per in tries for t in per):
             self.unmerged(rids, tries)
             return None
         bs, ndt = head_tokens.shape
         host = torch.stack([head_tokens.long(), next_token.long(), next_sibling.long()]).cpu().tolist()
+        scores = head_scores.float().cpu().tolist() if head_scores is not None else None
         trees, candidates = [], 0
         for b in range(bs):
             h_parents = parents_from_retrieve(host[1][b], host[2][b])
@@ -141,8 +151,9 @@ class ServedDraftStage:
             slot = {node: k for k, node in enumerate(keep)}
             h_tok = [host[0][b][i] for i in keep]
             h_par = [-1] + [slot[h_parents[i]] for i in keep[1:]]
+            h_score = [HEAD_FIRST] * len(keep) if scores is None else [math.inf] + [scores[b][i - 1] for i in keep[1:]]
             fused = fuse(h_tok[0], len(keep) + self.extra_slots, shape, _HeadTree(h_tok, h_par),
-                         head_scores=[HEAD_FIRST] * len(keep), candidates=tries[b])
+                         head_scores=h_score, candidates=tries[b])
             trees.append((fused, fused.tree.size - len(keep)))
         added = max(a for _, a in trees)
         if added <= 0:  # every candidate was already in the head's tree

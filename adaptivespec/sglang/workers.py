@@ -45,6 +45,20 @@ eu = importlib.import_module("sglang.srt.speculative.eagle_utils")
 """SGLang's tree-mask modes."""
 
 
+_HEAD_SCORES: dict[str, Any] = {"last": None}
+"""The draft's path probabilities of the head nodes SGLang kept, from its last
+``organize_draft_results`` ([bs, ndt - 1], node order), for the draft stage's joint ranking."""
+_ORGANIZE = getattr(ew, "organize_draft_results", None)
+
+
+def _organize_keeping_scores(score_list, token_list, parents_list, num_draft_token):
+    """SGLang's ``organize_draft_results``, also keeping the scores of the nodes it chose (it
+    returns their indices only)."""
+    parent_list, top_scores_index, draft_tokens = _ORGANIZE(score_list, token_list, parents_list, num_draft_token)
+    _HEAD_SCORES["last"] = torch.cat(score_list, dim=1).flatten(1).gather(1, top_scores_index)
+    return parent_list, top_scores_index, draft_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dims:
     """A runtime state's ``(nsteps, topk, ndt)`` where ``ndt`` may exceed what one head tree of
@@ -166,6 +180,8 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
                 self.adaptivespec.metrics.declare_sources(stage.names)
             logger.info("adaptivespec: draft stage with sources %s, up to %d extra verify rows",
                         ", ".join(stage.names[1:]), stage.extra_slots)
+            if _ORGANIZE is not None and os.environ.get("ADAPTIVESPEC_SGLANG_FUSION", "joint") == "joint":
+                ew.organize_draft_results = _organize_keeping_scores  # draft_forward looks it up per call
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_topk = bank.max_topk() if bank.max_topk() > 1 else 0
         if bank.max_topk() == 1:
@@ -338,7 +354,7 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         reqs = batch.reqs
         tries = stage.propose([(r.rid, r.origin_input_ids, r.output_ids) for r in reqs])
         mode = self._draft_worker.tree_mask_mode
-        mask = self._target_worker.model_runner.attn_backend.verify_mask
+        mask = getattr(self._target_worker.model_runner.attn_backend, "verify_mask", None)  # a property where it exists
         if mask is not None:
             mode = mask.mode
         if getattr(spec, "kv_loc_plan", None) is not None or mode not in (eu.TreeMaskMode.QLEN_ONLY, eu.TreeMaskMode.FULL_MASK):
@@ -349,11 +365,15 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
                 self._adaptivespec_told = True
             return None
         bs, ndt = len(reqs), spec.draft_token_num
+        scores, _HEAD_SCORES["last"] = _HEAD_SCORES["last"], None
+        if scores is not None and tuple(scores.shape) != (bs, ndt - 1):
+            scores = None  # not this step's draft (a topk=1 chain keeps no scores)
         merged = stage.merge(
             head_tokens=spec.draft_token.view(bs, ndt), next_token=spec.retrieve_next_token,
             next_sibling=spec.retrieve_next_sibling, seq_lens=batch.seq_lens, shape=self.adaptivespec_shape,
             tries=tries, rids=[r.rid for r in reqs], full_mask=mode == eu.TreeMaskMode.FULL_MASK,
             seq_lens_host=batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None,
+            head_scores=scores,
         )
         if merged is None:
             return None
