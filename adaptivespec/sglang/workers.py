@@ -4,8 +4,10 @@ This module imports SGLang at the top: the plugin imports it only inside SGLang'
 installs itself (:func:`adaptivespec.sglang.plugin.register`), so importing adaptivespec never does.
 The worker reads the config ``ADAPTIVESPEC_CONFIG`` names, asks a
 :class:`~adaptivespec.sglang.controller.TripletController` for each step's shape, keeps a
-:class:`~adaptivespec.sglang.state_bank.ShapeStateBank` of captured states, and records each
-verified step (trace file, ``/metrics``).
+:class:`~adaptivespec.sglang.state_bank.ShapeStateBank` of captured states (plus the wide verify
+states of merged trees and the no-draft step's), runs the config's candidate sources through the
+draft stage (:mod:`adaptivespec.sglang.stage_steps`), and records each verified step (trace file,
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from sglang.srt.runtime_context import get_context, get_parallel, get_spec
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
@@ -26,12 +26,13 @@ from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sglang import CONFIG_ENV
-from adaptivespec.sglang.draft_stage import MergedTrees, ServedDraftStage
 from adaptivespec.sglang.controller import TripletController, build_strategies, step_level_notice, verify_budget_from_env
+from adaptivespec.sglang.draft_stage import ServedDraftStage
 from adaptivespec.sglang.load_model import load_model_from_env
 from adaptivespec.sglang.metrics import SpecMetrics
 from adaptivespec.sglang.platform import unsupported_reason
 from adaptivespec.sglang.shapes import NoDraft, format_shapes
+from adaptivespec.sglang.stage_steps import DraftStageSteps, keep_head_scores
 from adaptivespec.sglang.state_bank import KV_RESERVE, ShapeStateBank
 from adaptivespec.sglang.trace import StepTrace
 from adaptivespec.sglang.verification import VERIFYING
@@ -41,22 +42,6 @@ logger = logging.getLogger("adaptivespec.sglang")
 
 ew = importlib.import_module("sglang.srt.speculative.eagle_worker_v2")
 """SGLang's EAGLE worker module (the subclasses' bases, its context managers)."""
-eu = importlib.import_module("sglang.srt.speculative.eagle_utils")
-"""SGLang's tree-mask modes."""
-
-
-_HEAD_SCORES: dict[str, Any] = {"last": None}
-"""The draft's path probabilities of the head nodes SGLang kept, from its last
-``organize_draft_results`` ([bs, ndt - 1], node order), for the draft stage's joint ranking."""
-_ORGANIZE = getattr(ew, "organize_draft_results", None)
-
-
-def _organize_keeping_scores(score_list, token_list, parents_list, num_draft_token):
-    """SGLang's ``organize_draft_results``, also keeping the scores of the nodes it chose (it
-    returns their indices only)."""
-    parent_list, top_scores_index, draft_tokens = _ORGANIZE(score_list, token_list, parents_list, num_draft_token)
-    _HEAD_SCORES["last"] = torch.cat(score_list, dim=1).flatten(1).gather(1, top_scores_index)
-    return parent_list, top_scores_index, draft_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +110,7 @@ class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
             super()._rebuild_topk1_chain_buffers()
 
 
-class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
+class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
     """EAGLEWorkerV2 running each decode step at the ``(nsteps, topk, ndt)`` a policy picks."""
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
@@ -180,8 +165,8 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
                 self.adaptivespec.metrics.declare_sources(stage.names)
             logger.info("adaptivespec: draft stage with sources %s, up to %d extra verify rows",
                         ", ".join(stage.names[1:]), stage.extra_slots)
-            if _ORGANIZE is not None and os.environ.get("ADAPTIVESPEC_SGLANG_FUSION", "joint") == "joint":
-                ew.organize_draft_results = _organize_keeping_scores  # draft_forward looks it up per call
+            if os.environ.get("ADAPTIVESPEC_SGLANG_FUSION", "joint") == "joint":
+                keep_head_scores(ew)
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_topk = bank.max_topk() if bank.max_topk() > 1 else 0
         if bank.max_topk() == 1:
@@ -334,74 +319,6 @@ class AdaptiveSpecWorker(ew.EAGLEWorkerV2):
         if live:
             self._adaptivespec_after_verify(batch, out, merged)
         return out
-
-    @staticmethod
-    def _adaptivespec_root_only(batch) -> None:
-        """The no-draft step's verify input as a one-node chain: SGLang's own (``_build_trivial_verify_input``)
-        carries a prefix-sized mask that its CPU attention kernel refuses (it expects one cell per
-        request) and int32 tokens that its CPU verify kernel refuses (int64 like the retrieve
-        arrays); a chain (``topk`` 1) needs no mask, and the attention kernel takes its mask-free path."""
-        spec = batch.spec_info
-        bs = len(batch.reqs)
-        batch.spec_info = dataclasses.replace(
-            spec, topk=1, draft_token=spec.draft_token.long(), num_tokens_per_req=-1,
-            custom_mask=torch.ones(bs, dtype=torch.bool, device=spec.positions.device))
-
-    def _adaptivespec_merge(self, batch) -> MergedTrees | None:
-        """Merge the sources' candidates into the head's verify input (``batch.spec_info``); on a
-        merge, the batch verifies the merged trees at their width. None: nothing to merge."""
-        spec, stage = batch.spec_info, self.adaptivespec_stage
-        reqs = batch.reqs
-        tries = stage.propose([(r.rid, r.origin_input_ids, r.output_ids) for r in reqs])
-        mode = self._draft_worker.tree_mask_mode
-        mask = getattr(self._target_worker.model_runner.attn_backend, "verify_mask", None)  # a property where it exists
-        if mask is not None:
-            mode = mask.mode
-        if getattr(spec, "kv_loc_plan", None) is not None or mode not in (eu.TreeMaskMode.QLEN_ONLY, eu.TreeMaskMode.FULL_MASK):
-            stage.unmerged([r.rid for r in reqs], tries)
-            if not getattr(self, "_adaptivespec_told", False):
-                logger.warning("adaptivespec: candidates not merged: this backend plans verify KV slots or packs "
-                               "its tree mask (%s); the head's trees verify alone", mode)
-                self._adaptivespec_told = True
-            return None
-        bs, ndt = len(reqs), spec.draft_token_num
-        scores, _HEAD_SCORES["last"] = _HEAD_SCORES["last"], None
-        if scores is not None and tuple(scores.shape) != (bs, ndt - 1):
-            scores = None  # not this step's draft (a topk=1 chain keeps no scores)
-        merged = stage.merge(
-            head_tokens=spec.draft_token.view(bs, ndt), next_token=spec.retrieve_next_token,
-            next_sibling=spec.retrieve_next_sibling, seq_lens=batch.seq_lens, shape=self.adaptivespec_shape,
-            tries=tries, rids=[r.rid for r in reqs], full_mask=mode == eu.TreeMaskMode.FULL_MASK,
-            seq_lens_host=batch.seq_lens_cpu.tolist() if batch.seq_lens_cpu is not None else None,
-            head_scores=scores,
-        )
-        if merged is None:
-            return None
-        layout = merged.layout
-        self._adaptivespec_widen(merged.width)
-        batch.spec_info = dataclasses.replace(
-            spec, draft_token=merged.tokens.reshape(-1).to(spec.draft_token.dtype), custom_mask=layout.custom_mask,
-            positions=layout.positions, retrieve_index=layout.retrieve_index,
-            retrieve_next_token=layout.retrieve_next_token, retrieve_next_sibling=layout.retrieve_next_sibling,
-            spec_steps=max(layout.depth, 1), topk=-1, draft_token_num=merged.width, num_tokens_per_req=-1,
-            draft_probs=None, prepared_out_cache_loc=None, prepared_mrope_positions=None, kv_loc_plan=None,
-        )
-        return merged
-
-    def _adaptivespec_after_verify(self, batch, out, merged: MergedTrees | None) -> None:
-        """Hand the step's emitted tokens to the sources (one host copy) and count what each
-        proposer got accepted."""
-        bs = len(batch.reqs)
-        lens = out.accept_lens.tolist()
-        if merged is not None or self.topk > 1:  # SGLang compacted the accepted path to the front
-            rows = out.next_token_ids.view(bs, -1).tolist()
-            emitted = [rows[b][: lens[b]] for b in range(bs)]
-        else:
-            flat, index = out.next_token_ids.tolist(), out.accept_index.tolist()
-            emitted = [[flat[i] for i in index[b][: lens[b]]] for b in range(bs)]
-        by_source = self.adaptivespec_stage.observe(out.accept_index if merged is not None else None, emitted)
-        if merged is not None:
-            self.adaptivespec.note_sources(by_source, merged.width)
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size=0):
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
