@@ -535,11 +535,9 @@ def test_retrieve_layout_round_trip_and_argument_checks():
 
 
 def test_a_merged_step_records_its_width_and_the_accepted_tokens_of_each_proposer():
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, generate_latest
 
     from adaptivespec.sglang.metrics import SpecMetrics, parse_metrics
-    from adaptivespec.sglang.trace import StepTrace
-
     reg = CollectorRegistry()
     metrics = SpecMetrics(reg)
     metrics.declare_sources(["head", "retrieval"])
@@ -548,8 +546,6 @@ def test_a_merged_step_records_its_width_and_the_accepted_tokens_of_each_propose
     c.note_sources({"head": 2, "retrieval": 5}, width=16)
     record = c.observe([4, 3])
     assert record.tree_size == 16 and record.shape == DEEP
-    from prometheus_client import generate_latest
-
     series = parse_metrics(generate_latest(reg).decode())
     assert series['adaptivespec_accepted_tokens_total{source="retrieval"}'] == 5
     assert series['adaptivespec_accepted_tokens_total{source="head"}'] == 2

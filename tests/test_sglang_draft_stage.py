@@ -16,7 +16,7 @@ import torch
 
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.sglang.draft_stage import ServedDraftStage
-from adaptivespec.sglang.tree_layout import retrieve_links, verify_layout
+from adaptivespec.sglang.tree_layout import verify_layout
 from adaptivespec.sglang.verification import parents_from_retrieve, retrieve_from_parents
 from adaptivespec.strategies import CandidateSource
 from adaptivespec.types import CandidateTrie, TreeShape
@@ -77,8 +77,8 @@ def test_layout_of_a_hand_built_tree():
     assert lay.depth == 3
     full = verify_layout(parents, torch.tensor([3]), full_mask=True).custom_mask.view(6, 9)
     assert full[:, :3].all() and torch.equal(full[:, 3:], mask)
-    # the padding node is unreachable from the root
-    assert 5 not in parents_from_retrieve(lay.retrieve_next_token[0].tolist(), lay.retrieve_next_sibling[0].tolist())
+    # walked from the root, the links give back every real node's parent; the padding node is unreachable
+    assert parents_from_retrieve(lay.retrieve_next_token[0].tolist(), lay.retrieve_next_sibling[0].tolist()) == [-1, 0, 0, 1, 3, -1]
 
 
 def test_layout_refuses_parents_after_children():
@@ -88,14 +88,21 @@ def test_layout_refuses_parents_after_children():
         verify_layout(torch.tensor([[0, 0]]), torch.tensor([1]))
 
 
-def test_retrieve_links_match_the_reference_loop():
+def test_retrieve_links_walk_back_to_the_parents_they_came_from():
     torch.manual_seed(0)
     for _ in range(20):
         n = 9
         parents = torch.tensor([[-1] + [int(torch.randint(0, i, ())) for i in range(1, n)] for _ in range(3)])
-        ref = retrieve_from_parents(parents)
-        got = retrieve_links(parents)
-        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        index, nxt, sib = retrieve_from_parents(parents)
+        assert index.tolist() == [list(range(b * n, (b + 1) * n)) for b in range(3)]
+        for b in range(3):
+            assert parents_from_retrieve(nxt[b].tolist(), sib[b].tolist()) == parents[b].tolist()
+            for p in range(n):  # children chained in increasing node order
+                kids, c = [], int(nxt[b, p])
+                while c != -1:
+                    kids.append(c)
+                    c = int(sib[b, c])
+                assert kids == [i for i in range(n) if parents[b, i] == p]
 
 
 def test_merge_keeps_the_head_tree_and_fills_extra_rows_with_candidates():
@@ -117,7 +124,7 @@ def test_merge_keeps_the_head_tree_and_fills_extra_rows_with_candidates():
     assert b_tok[:4] == [4, 20, 21, 22] and b_tok[4:7] == [7, 8, 9] and b_par[4:7] == [0, 4, 5]
     assert merged.layout.depth == 5 and merged.candidates == 6
     # request a's path 5 -> 7 -> 8 -> 9 -> 10 accepted, bonus 99: rows b * width + node
-    accept = torch.tensor([[0, 1, 3, 4, 5, -1], [7, 11, -1, -1, -1, -1]])
+    accept = [[0, 1, 3, 4, 5, -1], [7, 11, -1, -1, -1, -1]]
     by = stage.observe(accept, [[7, 8, 9, 10, 99], [7, 98]])
     assert by == {"head": 2, "chain": 5}
     src = stage._requests["a"].sources[0]

@@ -257,7 +257,6 @@ class TripletController:
             self.metrics.observe_state(pending=len(self._pending), tracked=len(self._last_requests or ()))
         return record
 
-
     def _observe_undrafted(self, p: _PendingStep, per_request: list[int], step_ms: float) -> StepRecord:
         """A step the load controls ran without drafting: traced and counted, not the policy's
         (it chose a tree; its acceptance history is not a zero-accept step's)."""

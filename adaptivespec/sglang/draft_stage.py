@@ -55,8 +55,11 @@ class MergedTrees:
     layout: VerifyLayout
     width: int
     rids: tuple[Any, ...]
-    candidates: int
-    """Source nodes verified this step (not also drafted by the head), summed over requests."""
+
+    @property
+    def candidates(self) -> int:
+        """Source nodes verified this step that the head did not also draft, summed over requests."""
+        return sum(1 for per in self.origin for bits in per if bits and not bits & 1)
 
 
 class ServedDraftStage:
@@ -143,7 +146,7 @@ class ServedDraftStage:
         bs, ndt = head_tokens.shape
         host = torch.stack([head_tokens.long(), next_token.long(), next_sibling.long()]).cpu().tolist()
         scores = head_scores.float().cpu().tolist() if head_scores is not None else None
-        trees, candidates = [], 0
+        trees = []
         for b in range(bs):
             h_parents = parents_from_retrieve(host[1][b], host[2][b])
             reach = _reachable(h_parents)
@@ -159,23 +162,20 @@ class ServedDraftStage:
         if added <= 0:  # every candidate was already in the head's tree
             self.unmerged(rids, tries)
             return None
-        candidates = sum(a for _, a in trees)
         width = self.width(ndt, added)
-        tokens = torch.zeros(bs, width, dtype=torch.long)
-        parents = torch.full((bs, width), -1, dtype=torch.long)
-        origin = []
-        for b, (fused, _) in enumerate(trees):
+        tok_rows, par_rows, origin = [], [], []
+        for fused, _ in trees:
             f_tok, f_par = torch.stack([fused.tree.tokens, fused.tree.parents]).tolist()
-            n = len(f_tok)
-            tokens[b, :n] = torch.tensor(f_tok)
-            tokens[b, n:] = f_tok[0]
-            parents[b, :n] = torch.tensor(f_par)
-            origin.append(fused.origin + [0] * (width - n))
+            pad = width - len(f_tok)  # padding: the root's token, no parent (unreachable)
+            tok_rows.append(f_tok + [f_tok[0]] * pad)
+            par_rows.append(f_par + [-1] * pad)
+            origin.append(fused.origin + [0] * pad)
+        parents = torch.tensor(par_rows, dtype=torch.long)
+        host_lens = torch.tensor(list(seq_lens_host)) if seq_lens_host is not None else seq_lens.cpu()
         device = head_tokens.device
-        tokens, parents = tokens.to(device), parents.to(device)
-        layout = verify_layout(parents, seq_lens, full_mask=full_mask, seq_lens_host=seq_lens_host)
-        merged = MergedTrees(tokens=tokens, parents=parents, origin=origin, layout=layout, width=width,
-                             rids=tuple(rids), candidates=candidates)
+        layout = verify_layout(parents, host_lens, full_mask=full_mask).to(device)
+        merged = MergedTrees(tokens=torch.tensor(tok_rows, dtype=torch.long, device=device), parents=parents.to(device),
+                             origin=origin, layout=layout, width=width, rids=tuple(rids))
         self._last, self._last_tries, self._rids = merged, tries, tuple(rids)
         return merged
 
@@ -184,7 +184,7 @@ class ServedDraftStage:
         anything; they still learn from the step at :meth:`observe`)."""
         self._last, self._last_tries, self._rids = None, tries, tuple(rids)
 
-    def observe(self, accept_index: torch.Tensor | None, emitted: Sequence[Sequence[int]]) -> dict[str, int]:
+    def observe(self, accept_index: Sequence[Sequence[int]] | None, emitted: Sequence[Sequence[int]]) -> dict[str, int]:
         """The step of the last :meth:`merge` verified and emitted ``emitted[b]`` (accepted + bonus)
         for request ``b``; ``accept_index`` [bs, depth + 1]: the accepted nodes' rows
         (``b * width + node``, -1 padded), read only when the step was merged. The sources extend
@@ -192,12 +192,12 @@ class ServedDraftStage:
         proposer of a merged step (a node two proposed counts for both; empty when not merged)."""
         merged, tries, rids = self._last, self._last_tries, self._rids
         out = {n: 0 for n in self.names} if merged is not None else {}
-        rows = accept_index.tolist() if merged is not None and accept_index is not None else None
+        rows = accept_index if merged is not None else None
         for b, toks in enumerate(emitted):
             if b >= len(rids):
                 break
             toks = list(toks)
-            if rows is not None:
+            if rows:
                 for r in rows[b][1:]:
                     if r < 0:
                         break

@@ -104,17 +104,21 @@ class DraftStageSteps:
         return merged
 
     def _adaptivespec_after_verify(self, batch, out, merged: MergedTrees | None) -> None:
-        """Hand the step's emitted tokens to the sources (one host copy) and count what each
-        proposer got accepted."""
+        """Hand the step's emitted tokens to the sources and count what each proposer got accepted
+        (one host copy of the accept lengths, tokens and accepted rows)."""
         bs = len(batch.reqs)
-        lens = out.accept_lens.tolist()
+        index = out.accept_index.long()
+        tokens = out.next_token_ids.long().view(-1)
+        host = torch.cat([out.accept_lens.long(), tokens, index.view(-1)]).tolist()
+        lens, flat, rest = host[:bs], host[bs: bs + tokens.numel()], host[bs + tokens.numel():]
+        depth = index.shape[1]
+        accepted = [rest[b * depth: (b + 1) * depth] for b in range(bs)]
         if merged is not None or self.topk > 1:  # SGLang compacted the accepted path to the front
-            rows = out.next_token_ids.view(bs, -1).tolist()
-            emitted = [rows[b][: lens[b]] for b in range(bs)]
+            width = len(flat) // bs
+            emitted = [flat[b * width: b * width + lens[b]] for b in range(bs)]
         else:
-            flat, index = out.next_token_ids.tolist(), out.accept_index.tolist()
-            emitted = [[flat[i] for i in index[b][: lens[b]]] for b in range(bs)]
-        by_source = self.adaptivespec_stage.observe(out.accept_index if merged is not None else None, emitted)
+            emitted = [[flat[i] for i in accepted[b][: lens[b]]] for b in range(bs)]
+        by_source = self.adaptivespec_stage.observe(accepted if merged is not None else None, emitted)
         if merged is not None:
             self.adaptivespec.note_sources(by_source, merged.width)
 

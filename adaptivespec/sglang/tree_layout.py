@@ -25,6 +25,8 @@ from typing import Sequence
 import attrs
 import torch
 
+from adaptivespec.sglang.verification import retrieve_from_parents
+
 
 @attrs.frozen(kw_only=True)
 class VerifyLayout:
@@ -39,6 +41,11 @@ class VerifyLayout:
     retrieve_next_sibling: torch.Tensor  # [bs, width] int64
     depth: int
     """Deepest reachable node below the root (the verify's ``spec_steps``)."""
+
+    def to(self, device) -> "VerifyLayout":
+        """The arrays on ``device`` (a layout is built on the host, where the trees are, and moved once)."""
+        return attrs.evolve(self, **{f: getattr(self, f).to(device) for f in
+                                     ("custom_mask", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")})
 
 
 def ancestor_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,27 +68,12 @@ def ancestor_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, depth
 
 
-def retrieve_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SGLang's ``(retrieve_index, retrieve_next_token, retrieve_next_sibling)`` of ``parents``
-    [bs, width]: children chained in increasing node order, as ``build_tree_kernel_efficient`` leaves them."""
-    bs, width = parents.shape
-    device = parents.device
-    nodes = torch.arange(width, device=device)
-    none = torch.full((), width, device=device)
-    # child[b, p, i]: node i is a child of node p
-    child = parents[:, None, :] == nodes[None, :, None]
-    first_child = torch.where(child, nodes, none).min(dim=2).values
-    # sibling[b, i, j]: j > i shares i's (real) parent
-    same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0) & (nodes[None, :] > nodes[:, None])
-    next_sibling = torch.where(same, nodes, none).min(dim=2).values
-    index = torch.arange(bs * width, dtype=torch.long, device=device).reshape(bs, width)
-    return index, torch.where(first_child == width, -1, first_child), torch.where(next_sibling == width, -1, next_sibling)
-
-
 def verify_layout(parents: torch.Tensor, seq_lens: torch.Tensor, *, full_mask: bool = False,
                   seq_lens_host: Sequence[int] | None = None) -> VerifyLayout:
     """The verify arrays of the trees ``parents`` [bs, width] (int64, ``parents[:, 0] == -1``, each
-    node after its parent) on top of sequences of ``seq_lens`` [bs] committed tokens.
+    node after its parent) on top of sequences of ``seq_lens`` [bs] committed tokens, on their
+    device (build on the host, then :meth:`VerifyLayout.to`: the checks and the per-level loop read
+    values).
 
     ``full_mask``: SGLang's FULL_MASK layout (GPU attention backends), which needs the sequence
     lengths on the host (``seq_lens_host``, else read from ``seq_lens``); otherwise QLEN_ONLY (the
@@ -94,7 +86,7 @@ def verify_layout(parents: torch.Tensor, seq_lens: torch.Tensor, *, full_mask: b
         raise ValueError("parents: every node must come after its parent")
     mask, depth = ancestor_mask(parents)
     positions = (seq_lens.to(torch.long)[:, None] + depth).reshape(-1)
-    index, next_token, next_sibling = retrieve_links(parents)
+    index, next_token, next_sibling = retrieve_from_parents(parents)
     if full_mask:
         lens = list(seq_lens_host) if seq_lens_host is not None else seq_lens.tolist()
         blocks = [torch.cat([torch.ones(width, int(n), dtype=torch.bool, device=mask.device), mask[b]], dim=1).reshape(-1)

@@ -68,19 +68,20 @@ def parents_from_retrieve(next_token: Sequence[int], next_sibling: Sequence[int]
 
 def retrieve_from_parents(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SGLang's ``(retrieve_index, retrieve_next_token, retrieve_next_sibling)`` of trees given by
-    parent indices ``parents`` [bs, ndt] (``parents[:, 0] == -1``, topologically ordered):
-    children chained in increasing node order, as ``build_tree_kernel_efficient`` leaves them."""
+    parent indices ``parents`` [bs, ndt] (``parents[:, 0] == -1``, topologically ordered; another
+    node with parent -1 is unreachable): children chained in increasing node order, as
+    ``build_tree_kernel_efficient`` leaves them. On ``parents``' device, no loop over nodes."""
     bs, n = parents.shape
-    index = torch.arange(bs * n, dtype=torch.long).reshape(bs, n)
-    next_token = torch.full((bs, n), -1, dtype=torch.long)
-    next_sibling = torch.full((bs, n), -1, dtype=torch.long)
-    rows = parents.tolist()
-    for b in range(bs):
-        for i in range(n - 1, 0, -1):  # prepend children last-to-first: the list ends up ascending
-            p = rows[b][i]
-            next_sibling[b, i] = next_token[b, p]
-            next_token[b, p] = i
-    return index, next_token, next_sibling
+    device = parents.device
+    nodes = torch.arange(n, device=device)
+    none = torch.full((), n, device=device)
+    child = parents[:, None, :] == nodes[None, :, None]  # [b, p, i]: node i is a child of node p
+    first_child = torch.where(child, nodes, none).min(dim=2).values
+    # [b, i, j]: j > i shares i's (real) parent
+    same = (parents[:, :, None] == parents[:, None, :]) & (parents[:, :, None] >= 0) & (nodes[None, :] > nodes[:, None])
+    next_sibling = torch.where(same, nodes, none).min(dim=2).values
+    index = torch.arange(bs * n, dtype=torch.long, device=device).reshape(bs, n)
+    return index, torch.where(first_child == n, -1, first_child), torch.where(next_sibling == n, -1, next_sibling)
 
 
 def wrap_verify(
