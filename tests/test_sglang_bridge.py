@@ -534,24 +534,31 @@ def test_retrieve_layout_round_trip_and_argument_checks():
                     spec_steps=3, topk=3)
 
 
-def test_a_merged_step_records_its_width_and_the_accepted_tokens_of_each_proposer():
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from adaptivespec.sglang.metrics import SpecMetrics, parse_metrics
-    reg = CollectorRegistry()
-    metrics = SpecMetrics(reg)
-    metrics.declare_sources(["head", "retrieval"])
-    c = TripletController(StubPolicy(), metrics=metrics)
+def test_a_merged_step_records_the_width_it_verified():
+    c = TripletController(StubPolicy())
     assert c.begin_step(probs(0.9, 0.9)) == DEEP
     c.note_sources({"head": 2, "retrieval": 5}, width=16)
     record = c.observe([4, 3])
     assert record.tree_size == 16 and record.shape == DEEP
-    series = parse_metrics(generate_latest(reg).decode())
+    c.begin_step(probs(0.9))  # an unmerged step: the shape's rows, all the head's
+    assert c.observe([1]).tree_size == DEEP.ndt
+
+
+def test_a_merged_step_exports_its_width_and_the_accepted_tokens_of_each_proposer():
+    prometheus_client = pytest.importorskip(
+        "prometheus_client", reason="prometheus_client comes with sglang (scripts/install_sglang_cpu.sh)")
+    from adaptivespec.sglang.metrics import SpecMetrics, parse_metrics
+    reg = prometheus_client.CollectorRegistry()
+    metrics = SpecMetrics(reg)
+    metrics.declare_sources(["head", "retrieval"])
+    c = TripletController(StubPolicy(), metrics=metrics)
+    c.begin_step(probs(0.9, 0.9))
+    c.note_sources({"head": 2, "retrieval": 5}, width=16)
+    c.observe([4, 3])
+    series = parse_metrics(prometheus_client.generate_latest(reg).decode())
     assert series['adaptivespec_accepted_tokens_total{source="retrieval"}'] == 5
     assert series['adaptivespec_accepted_tokens_total{source="head"}'] == 2
     assert series["adaptivespec_verify_rows_per_step_sum"] == 32  # 2 requests x 16 rows
-    c.begin_step(probs(0.9))  # an unmerged step: the shape's rows, all the head's
-    assert c.observe([1]).tree_size == DEEP.ndt
 
 
 def test_load_model_prices_the_rows_a_merged_tree_really_verified():
