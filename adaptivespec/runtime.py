@@ -23,6 +23,7 @@ from adaptivespec.fastpath.drafter import fast_drafter
 from adaptivespec.fastpath.forward import fast_forward
 from adaptivespec.fastpath.kvcache import buffered_cache
 from adaptivespec.fastpath.prepack import prepack_linears
+from adaptivespec.models import cache_forward
 from adaptivespec.sampling import pick_next, root_stats
 from adaptivespec.tree import draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
@@ -64,7 +65,7 @@ class TorchRuntime:
         # bfloat16 Llama on a CPU: the target's forward fused (QKV and gate|up in one matmul each, fused
         # norms, weights packed once); None elsewhere, and then the model itself runs
         self.fast = fast_forward(target)
-        self.forward = self.fast if self.fast is not None else target
+        self.forward = self.fast if self.fast is not None else cache_forward(target)
         # the drafter's inference path fused likewise (Q|K|V and gate|up in one matmul each, fused norms)
         self.fast_drafter = fast_drafter(drafter)
         # bfloat16 on a CPU: weights laid out once for the matmul kernel, not per call (each model only

@@ -42,6 +42,7 @@ import adaptivespec
 from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.fastpath.bank import max_beam, max_expanded
+from adaptivespec.models import cache_forward
 from adaptivespec.runtime import TorchRuntime
 from adaptivespec.types import DraftTree, TreeShape
 
@@ -388,7 +389,18 @@ def _static_cache(target, max_context: int, dtype, device):
     cache = StaticCache(config=cfg, max_cache_len=max_context)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache.early_initialization(1, cfg.num_key_value_heads, head_dim, dtype, device)
+    for layer in cache.layers:
+        if not hasattr(layer, "crop"):  # transformers < 5.24: static layers cannot be cropped
+            layer.crop = _crop_static.__get__(layer)
     return cache
+
+
+def _crop_static(layer, tokens_to_remove: int) -> None:
+    """Drop the last ``-tokens_to_remove`` rows of a static layer: its length moves back, in place
+    (the graphs hold that tensor); the rows are overwritten by the next update."""
+    if tokens_to_remove > 0:
+        raise ValueError(f"crop: expected a negative number of rows to remove, got {tokens_to_remove}")
+    layer.cumulative_length.sub_(-tokens_to_remove)
 
 
 def _verify_static(rt, cache, shape: TreeShape, max_context: int, **cap) -> StaticVerify:
@@ -400,8 +412,10 @@ def _verify_static(rt, cache, shape: TreeShape, max_context: int, **cap) -> Stat
         mask=torch.zeros(1, 1, shape.ndt, max_context, dtype=rt.dtype, **z),
     )
 
+    target = cache_forward(rt.target)
+
     def fn():
-        out = rt.target(input_ids=sv.tokens, position_ids=sv.positions, attention_mask=sv.mask,
+        out = target(input_ids=sv.tokens, position_ids=sv.positions, attention_mask=sv.mask,
                         cache=cache, use_cache=True, output_hidden_states=True)
         return out.logits, out.hidden_states
 

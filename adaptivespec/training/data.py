@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.models import cache_forward
 
 def _default_data_root() -> Path:
     """``$ADAPTIVESPEC_DATA``, else the ``shared/data`` folder beside a source checkout."""
@@ -261,6 +262,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
     """
     n = len(prompts)
     dev = getattr(model, "device", None) or torch.device("cpu")  # a transformers model knows its device
+    run = cache_forward(model)
     refill = max(1, batch_size // 4) if refill is None else max(1, refill)
     out = torch.full((n, max_new_tokens), eos, dtype=torch.long, device=dev)
     nxt = 0  # next prompt to admit
@@ -286,7 +288,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
                 part = prompts[nxt : nxt + k]
                 p_ids, p_mask, p_pos = (x.to(dev) for x in _left_pad(part, eos))
                 p_cache = _spare_cache(model.config)
-                p_logits = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, cache=p_cache, use_cache=True,
+                p_logits = run(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, cache=p_cache, use_cache=True,
                                  logits_to_keep=1).logits[:, -1]
                 new_rows = torch.arange(nxt, nxt + k, device=dev)
                 nxt += k
@@ -322,7 +324,7 @@ def generate_stream(model, prompts: list[list[int]], eos: int, max_new_tokens: i
             for layer in cache.layers:  # keep only the unfinished rows' cache
                 layer.keys, layer.values = layer.keys[keep, :, cut:], layer.values[keep, :, cut:]
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-        logits = model(input_ids=tok_t.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+        logits = run(input_ids=tok_t.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
                        cache=cache, use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
 
