@@ -96,6 +96,18 @@ class Constraint:
         self.mask_seconds = 0.0
         self.mask_calls = 0
 
+    @classmethod
+    def following(cls, backend: GrammarBackend, matcher, rows: int = 1) -> "Constraint":
+        """A view of a grammar state kept elsewhere: ``matcher`` is an ``xgrammar.GrammarMatcher``
+        that its owner advances (a served request's, in SGLang). The view reads it (forced
+        continuations, masks through forks) and is never advanced itself."""
+        view = cls.__new__(cls)
+        view.xgr, view.backend, view.matcher = backend.xgr, backend, matcher
+        view.vocab_size = backend.vocab_size
+        view.bitmask = backend.xgr.allocate_token_bitmask(rows, view.vocab_size)
+        view.mask_seconds, view.mask_calls = 0.0, 0
+        return view
+
     # -- state ----------------------------------------------------------------------------------
     @property
     def terminated(self) -> bool:

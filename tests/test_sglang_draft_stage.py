@@ -171,6 +171,11 @@ def test_stage_from_a_config_builds_its_registered_sources(tmp_path):
     path = tmp_path / "h.yaml"
     path.write_text("sources:\n  - name: retrieval\n    extra_slots: 5\n")
     stage = ServedDraftStage.from_config(load_config(path), get_plugin_host())
+    # constrained requests add the grammar source (8 extra rows), as in the torch runtime
+    assert stage.names == ["head", "retrieval", "grammar"] and stage.extra_slots == 8
+    stage.propose([("free", [1, 2, 3], [])])
+    assert stage._requests["free"].extra == 5  # free text: only retrieval's rows
+    stage = ServedDraftStage.from_config(load_config(path, ["generation.grammar_draft=false"]), get_plugin_host())
     assert stage.names == ["head", "retrieval"] and stage.extra_slots == 5
     assert stage.widths([TreeShape(3, 4, 8), TreeShape(2, 2, 4)]) == [8, 9, 12, 13]  # 4 or all 5 extra rows
     assert stage.width(8, 1) == 12 and stage.width(8, 5) == 13 and stage.width(8) == 13
@@ -257,3 +262,39 @@ def test_with_the_heads_scores_a_source_node_takes_a_weak_head_nodes_row():
     m2 = head_first.merge(head_tokens=tokens, next_token=nxt, next_sibling=sib, seq_lens=torch.tensor([2]),
                           shape=SHAPE, tries=t2, rids=["a"])
     assert m2.tokens[0].tolist()[:5] == [5, 7, 6, 8, 30]  # head kept whole, one source row
+
+
+def test_a_constrained_request_is_drafted_from_the_grammar_state_its_server_keeps():
+    """The grammar source reads the request's matcher (SGLang's, advanced by SGLang): after
+    ``{"name": "Al"`` the schema forces ``, "age": ``; the view never advances it."""
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from adaptivespec.config import load_config
+    from adaptivespec.constraints import Constraint, GrammarBackend
+    from adaptivespec.errors import AdaptiveSpecError
+    from adaptivespec.models import embedded_folder
+    from adaptivespec.response_format import ResponseFormat
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(embedded_folder(verbose=False)))
+    except AdaptiveSpecError as exc:
+        pytest.skip(str(exc))
+    backend = GrammarBackend(tok, 49152)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "status": {"enum": ["student", "retired"]}},
+              "required": ["name", "age", "status"]}
+    server_side = backend.constraint(ResponseFormat(type="json_schema", schema=schema))  # what SGLang keeps
+    out = tok.encode('{"name": "Al"', add_special_tokens=False)
+    server_side.accept(out)
+    stage = ServedDraftStage.from_config(load_config("configs/hybrid.yaml"), get_plugin_host())
+    stage.view = lambda matcher: Constraint.following(backend, matcher)
+    prompt = tok.encode("Describe a person as JSON.", add_special_tokens=False)
+    tries = stage.propose([("r", prompt, out, server_side.matcher), ("free", prompt, out)])
+    grammar = stage.names.index("grammar") - 1
+    drafted = tries[0][grammar]
+    assert drafted is not None and tries[1][grammar] is None  # the free-text request: nothing from a grammar
+    assert drafted.parents == list(range(-1, len(drafted) - 1))  # one chain below the root
+    assert tok.decode(drafted.tokens) == ', "age":'  # the canonical tokens, the last one cut (it merges with what follows)
+    assert stage._requests["r"].extra == 8 and stage._requests["free"].extra == 8  # hybrid's retrieval: 8 too
+    assert not server_side.matcher.is_terminated() and server_side.matcher.find_jump_forward_string() == ', "age": '

@@ -16,6 +16,12 @@ node. SGLang verifies the same number of tokens for every request of a batch, so
 padded (padding rows are unreachable, never accepted) to ``ndt`` plus the most nodes the sources
 added to one request, rounded up to a multiple of 4; a step where no source adds a node verifies
 the head's trees as SGLang built them, at ``ndt``.
+
+Constrained requests (``json_schema``, ``regex``, ``ebnf``): the sources that draft from a grammar
+(``structured_default``, the ``grammar`` source) are added to the config's, as the torch runtime adds
+them, and read the request's grammar state as SGLang keeps it (its xgrammar matcher, viewed through
+:meth:`~adaptivespec.constraints.Constraint.following`, never advanced here). SGLang still masks
+every verified node by the grammar, so a candidate can only be accepted where the grammar allows it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import attrs
 import torch
 
 from adaptivespec.fusion import fuse
-from adaptivespec.proposal import HEAD_NAME
+from adaptivespec.proposal import HEAD_NAME, structured_sources
 from adaptivespec.sglang.tree_layout import VerifyLayout, verify_layout
 from adaptivespec.sglang.verification import parents_from_retrieve
 from adaptivespec.strategies import CandidateSource
@@ -43,6 +49,12 @@ class _RequestState:
     sources: list[CandidateSource]
     seen: int = 0
     """Tokens of the request (prompt + output) the sources hold."""
+    grammar: Any = None
+    """The request's grammar state (a matcher its server advances) and its view for the sources."""
+    view: Any = None
+    extra: int = 0
+    """Verify rows its sources may add beyond the head's tree: the most of theirs, those that
+    draft from a grammar counted only while the request has one (as in the torch runtime)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -75,10 +87,15 @@ class ServedDraftStage:
     ROW_STEP = 4
     """Extra verify rows come in multiples of this (fewer widths to build)."""
 
-    def __init__(self, make_sources: Callable[[], list[CandidateSource]], extra_slots: int) -> None:
+    def __init__(self, make_sources: Callable[[], list[CandidateSource]], extra_slots: int,
+                 view: Callable[[Any], Any] | None = None) -> None:
         self.make_sources = make_sources
+        self.view = view
+        """Wraps a request's grammar state (what :meth:`propose` is given) as the sources'
+        ``constraint`` (:meth:`adaptivespec.constraints.Constraint.following`); None: sources get none."""
         probe = make_sources()
         self.names = [HEAD_NAME, *(s.name for s in probe)]
+        self._fixed_extra = extra_slots > 0  # given: every request may add that many rows
         self.extra_slots = extra_slots if extra_slots > 0 else max((s.extra_slots() for s in probe), default=0)
         self._requests: dict[Any, _RequestState] = {}
         self._last: MergedTrees | None = None
@@ -91,6 +108,9 @@ class ServedDraftStage:
         if not getattr(config, "sources", ()):
             return None
         entries = [(host.sources.get(s.name).cls, s.params) for s in config.sources]
+        listed = [s.name for s in config.sources]
+        if getattr(config.generation, "grammar_draft", True):  # what a constrained request adds, as in the torch runtime
+            entries += [(type(s), s.params) for s in structured_sources(host, listed)]
         return cls(lambda: [c(p) for c, p in entries], extra_slots=0)
 
     def width(self, ndt: int, added: int | None = None) -> int:
@@ -105,7 +125,7 @@ class ServedDraftStage:
         return sorted({self.width(s.ndt, a) for s in shapes for a in range(1, self.extra_slots + 1)})
 
     # -- requests -----------------------------------------------------------------------------
-    def _sync(self, rid: Any, prompt: Sequence[int], output: Sequence[int]) -> _RequestState:
+    def _sync(self, rid: Any, prompt: Sequence[int], output: Sequence[int], grammar: Any = None) -> _RequestState:
         state = self._requests.get(rid)
         n = len(prompt) + len(output)
         if state is None or state.seen != n:  # new, or tokens it did not see (a retraction, a cut)
@@ -116,13 +136,22 @@ class ServedDraftStage:
                     s.extend(list(output))
             state.seen = n
             self._requests[rid] = state
+        if grammar is not state.grammar:  # the grammar's server-side state: viewed, never advanced here
+            state.grammar = grammar
+            state.view = self.view(grammar) if grammar is not None and self.view is not None else None
+        for s in state.sources:
+            s.constraint = state.view
+        state.extra = max((s.extra_slots() for s in state.sources
+                           if state.view is not None or not getattr(s, "structured_default", False)), default=0)
         return state
 
-    def propose(self, requests: Sequence[tuple[Any, Sequence[int], Sequence[int]]]) -> list[list[CandidateTrie | None]]:
-        """Each request's tries, ``requests`` as ``(rid, prompt_ids, output_ids)``. Requests absent
+    def propose(self, requests: Sequence[tuple]) -> list[list[CandidateTrie | None]]:
+        """Each request's tries, ``requests`` as ``(rid, prompt_ids, output_ids)`` or
+        ``(rid, prompt_ids, output_ids, grammar)``: ``grammar`` is the request's grammar state at
+        ``output_ids`` (None: free text, or not in step with the tokens this time). Requests absent
         from this batch are forgotten (a request that comes back is rebuilt from its tokens)."""
-        states = [self._sync(rid, p, o) for rid, p, o in requests]
-        live = {rid for rid, _, _ in requests}
+        states = [self._sync(*r) for r in requests]
+        live = {r[0] for r in requests}
         for rid in [r for r in self._requests if r not in live]:
             del self._requests[rid]
         return [[s.propose() for s in st.sources] for st in states]
@@ -155,7 +184,9 @@ class ServedDraftStage:
             h_tok = [host[0][b][i] for i in keep]
             h_par = [-1] + [slot[h_parents[i]] for i in keep[1:]]
             h_score = [HEAD_FIRST] * len(keep) if scores is None else [math.inf] + [scores[b][i - 1] for i in keep[1:]]
-            fused = fuse(h_tok[0], len(keep) + self.extra_slots, shape, _HeadTree(h_tok, h_par),
+            state = self._requests.get(rids[b])
+            extra = self.extra_slots if self._fixed_extra or state is None else min(state.extra, self.extra_slots)
+            fused = fuse(h_tok[0], len(keep) + extra, shape, _HeadTree(h_tok, h_par),
                          head_scores=h_score, candidates=tries[b])
             trees.append((fused, fused.tree.size - len(keep)))
         added = max(a for _, a in trees)

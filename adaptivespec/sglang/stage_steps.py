@@ -47,8 +47,36 @@ def _organize_keeping_scores(score_list, token_list, parents_list, num_draft_tok
     return parent_list, top_scores_index, draft_tokens
 
 
+def grammar_state(req) -> Any:
+    """The request's grammar matcher (xgrammar's, which SGLang advances) when it stands at the
+    request's last token; None for free text, a grammar of another kind, or one not in step."""
+    grammar = getattr(req, "grammar", None)
+    matcher = getattr(grammar, "matcher", None)
+    if matcher is None or len(getattr(grammar, "accepted_tokens", ())) != len(req.output_ids):
+        return None
+    return matcher
+
+
 class DraftStageSteps:
     """The worker's draft-stage steps (see the module docstring)."""
+
+    def _adaptivespec_grammar_view(self, matcher) -> Any:
+        """A request's grammar state as the sources' ``constraint`` (read, never advanced here);
+        None where no tokenizer is loaded (``--skip-tokenizer-init``): the request is still
+        constrained by SGLang, only not drafted from its grammar."""
+        from adaptivespec.constraints import Constraint, GrammarBackend
+
+        backend = getattr(self, "_adaptivespec_grammar_backend", None)
+        if backend is None:
+            tokenizer = getattr(self._target_worker, "tokenizer", None)
+            if tokenizer is None:
+                if not getattr(self, "_adaptivespec_told_grammar", False):
+                    logger.warning("adaptivespec: no tokenizer in the worker: constrained requests are not drafted from their grammar")
+                    self._adaptivespec_told_grammar = True
+                return None
+            vocab = self._target_worker.model_runner.model_config.vocab_size
+            backend = self._adaptivespec_grammar_backend = GrammarBackend.for_tokenizer(tokenizer, vocab)
+        return Constraint.following(backend, matcher)
 
     @staticmethod
     def _adaptivespec_root_only(batch) -> None:
@@ -67,7 +95,7 @@ class DraftStageSteps:
         merge, the batch verifies the merged trees at their width. None: nothing to merge."""
         spec, stage = batch.spec_info, self.adaptivespec_stage
         reqs = batch.reqs
-        tries = stage.propose([(r.rid, r.origin_input_ids, r.output_ids) for r in reqs])
+        tries = stage.propose([(r.rid, r.origin_input_ids, r.output_ids, grammar_state(r)) for r in reqs])
         mode = self._draft_worker.tree_mask_mode
         mask = getattr(self._target_worker.model_runner.attn_backend, "verify_mask", None)  # a property where it exists
         if mask is not None:

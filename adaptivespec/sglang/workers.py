@@ -128,6 +128,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
         config = load_config(os.environ[CONFIG_ENV].strip())  # as register() read it
         policy, self.adaptivespec_verifier = build_strategies(config, host)
         self.adaptivespec_stage = ServedDraftStage.from_config(config, host)
+        if self.adaptivespec_stage is not None:  # constrained requests: the grammar source reads their state
+            self.adaptivespec_stage.view = self._adaptivespec_grammar_view
         self.adaptivespec_wide: dict[int, Any] = {}  # verify width -> state (merged steps)
         self.adaptivespec_undrafted_state = None  # the no-draft step's state (load controls)
         self._adaptivespec_active: Any = None  # key of the active state (see _adaptivespec_apply)
