@@ -129,7 +129,7 @@ def test_merge_keeps_the_head_tree_and_fills_extra_rows_with_candidates():
     assert by == {"head": 2, "chain": 5}
     src = stage._requests["a"].sources[0]
     assert src.seq == [1, 2, 3, 5, 7, 8, 9, 10, 99] and src.observed == [[7, 8, 9, 10, 99]]
-    assert stage._requests["a"].seen == 9
+    assert len(stage._requests["a"].tokens) == 9
 
 
 def test_padding_and_no_candidates():
@@ -152,15 +152,19 @@ def test_padding_and_no_candidates():
     assert reach[4:] == [-1] * 4
 
 
-def test_a_request_whose_tokens_changed_is_rebuilt_from_them():
+def test_a_request_is_caught_up_kept_through_a_lag_or_rebuilt_when_its_tokens_changed():
     stage = ServedDraftStage(lambda: [ListSource(chain=[1])], extra_slots=0)
     stage.propose([("a", [1, 2], [3])])
     first = stage._requests["a"].sources[0]
     stage.propose([("a", [1, 2], [3])])
     assert stage._requests["a"].sources[0] is first  # in sync: kept
-    stage.propose([("a", [1, 2], [3, 4, 5])])  # two tokens it never saw (e.g. a retraction)
+    stage.propose([("a", [1, 2], [3, 4, 5])])  # two tokens emitted while the stage did not run: caught up
+    assert stage._requests["a"].sources[0] is first and first.seq == [1, 2, 3, 4, 5]
+    stage.propose([("a", [1, 2], [3, 4])])  # the server's lists lag what the sources saw (overlap): kept
+    assert stage._requests["a"].sources[0] is first and first.seq == [1, 2, 3, 4, 5]
+    stage.propose([("a", [1, 2], [3, 7, 5, 6])])  # not the same sequence (a retraction): rebuilt
     again = stage._requests["a"].sources[0]
-    assert again is not first and again.seq == [1, 2, 3, 4, 5]
+    assert again is not first and again.seq == [1, 2, 3, 7, 5, 6]
     stage.propose([("b", [9], [])])
     assert set(stage._requests) == {"b"}  # requests that left the batch are forgotten
 

@@ -47,8 +47,8 @@ whole and the sources fill the extra rows."""
 @attrs.define(eq=False)
 class _RequestState:
     sources: list[CandidateSource]
-    seen: int = 0
-    """Tokens of the request (prompt + output) the sources hold."""
+    tokens: list[int] = attrs.field(factory=list)
+    """The request's tokens (prompt + output) the sources hold."""
     grammar: Any = None
     """The request's grammar state (a matcher its server advances) and its view for the sources."""
     view: Any = None
@@ -127,14 +127,27 @@ class ServedDraftStage:
     # -- requests -----------------------------------------------------------------------------
     def _sync(self, rid: Any, prompt: Sequence[int], output: Sequence[int], grammar: Any = None) -> _RequestState:
         state = self._requests.get(rid)
+        held = state.tokens if state is not None else None
         n = len(prompt) + len(output)
-        if state is None or state.seen != n:  # new, or tokens it did not see (a retraction, a cut)
-            state = _RequestState(self.make_sources())
+        if held is not None and len(held) != n:
+            m = min(n, len(held))  # the last tokens both have, compared
+            k, p = min(m, 4), len(prompt)
+            tail = list(output[m - k - p: m - p]) if m - k >= p else (list(prompt) + list(output))[m - k: m]
+            if tail != held[m - k: m]:
+                held = None  # not the same sequence (a retraction, a cut): rebuilt below
+            elif n > len(held):  # tokens emitted while the stage did not run: the sources catch up
+                missing = list(output[len(held) - len(prompt):])
+                for s in state.sources:
+                    s.extend(missing)
+                held.extend(missing)
+            # n < len(held): the server's token lists lag the verify the sources already saw
+            # (the overlap scheduler): the sources keep what they hold
+        if held is None:  # new, or not in step
+            state = _RequestState(self.make_sources(), tokens=list(prompt) + list(output))
             for s in state.sources:
                 s.reset(list(prompt))
                 if output:
                     s.extend(list(output))
-            state.seen = n
             self._requests[rid] = state
         if grammar is not state.grammar:  # the grammar's server-side state: viewed, never advanced here
             state.grammar = grammar
@@ -239,7 +252,7 @@ class ServedDraftStage:
             state = self._requests.get(rids[b])
             if state is None:
                 continue
-            state.seen += len(toks)
+            state.tokens.extend(toks)
             for s, t in zip(state.sources, tries[b] if b < len(tries) else [None] * len(state.sources)):
                 s.extend(toks)
                 if t:
