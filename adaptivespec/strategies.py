@@ -38,6 +38,9 @@ class TreePolicy(FusionRules):
     """Whether the shape may change from step to step. ``False`` (``static``: a baseline's one shape)
     tells a serving engine to keep that shape as it is: ``adaptivespec serve``'s load model does not
     shrink it under load."""
+    reads_draft_entropy: ClassVar[bool] = False
+    """Whether :meth:`next_shape` reads ``signals.draft_entropy``: a runtime that does not compute it
+    for free (SGLang hands over the root's top-k only) then measures it for this policy."""
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()

@@ -71,6 +71,7 @@ class LearnedPolicy(TreePolicy):
 
     name = "learned"
     Params = LearnedParams
+    reads_draft_entropy = True
 
     def __init__(self, params: LearnedParams | None = None, model: ShapeModel | None = None) -> None:
         """``model``: an already loaded fitted model (replays), instead of ``params.model``."""

@@ -8,6 +8,8 @@ the way ``verify_tree_greedy_func`` does) is written for this test from the kern
 
 from __future__ import annotations
 
+import json
+import math
 import types
 
 import pytest
@@ -77,7 +79,9 @@ def test_triplet_follows_the_policy_and_feeds_it_records():
     assert c.begin_step(probs(0.9)) == DEEP
     rec = c.observe([5])
     assert (rec.shape, rec.accepted, rec.new_tokens, rec.tree_size, rec.step) == (DEEP, 5, 6, 8, 0)
-    assert rec.signals == StepSignals(step=0, draft_top1_prob=pytest.approx(0.9), last_accepted=-1)
+    top4 = float(probs(0.9)[0].topk(4).values.sum())
+    assert rec.signals == StepSignals(step=0, draft_top1_prob=pytest.approx(0.9), draft_top4_prob=pytest.approx(top4),
+                                      last_accepted=-1)
     assert rec.policy_state == {"zeros": 0} and records == [rec] and policy.records == [rec]
     assert c.begin_step(probs(0.1)) == WIDE
     assert policy.seen[-1].step == 1 and policy.seen[-1].last_accepted == 5
@@ -568,3 +572,43 @@ def test_load_model_prices_the_rows_a_merged_tree_really_verified():
     load.observe(DEEP, 2.0, rows=16)  # the draft stage added 8 rows: the moving average moves toward 16
     assert DEEP.ndt < load.rows(DEEP) < 16
     assert load.step_ms(DEEP, 2) == pytest.approx(20 + 2 * load.rows(DEEP))
+
+
+def test_the_roots_entropy_is_measured_in_draft_extend_only_and_reaches_the_policy():
+    """SGLang hands over the root's top-k only: the draft-extend's distributions are measured (the
+    EAGLE module's ``renorm_draft_probs`` wrapped) and the step's signals carry their entropy."""
+    from adaptivespec.sglang import root_entropy
+
+    dist = torch.tensor([[0.5, 0.25, 0.25, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    module = types.SimpleNamespace(renorm_draft_probs=lambda logits, *a: dist)
+    root_entropy.keep_root_entropy(module)
+    root_entropy.keep_root_entropy(module)  # once: not wrapped twice
+    module.renorm_draft_probs(None)  # a draft level's call: not measured
+    assert root_entropy.take(2) is None
+    with root_entropy.measuring(True):
+        assert module.renorm_draft_probs(None) is dist
+    h = root_entropy.take(2)
+    assert h.tolist() == pytest.approx([1.5 * math.log(2), 0.0])
+    assert root_entropy.take(2) is None  # used once
+    with root_entropy.measuring(True):
+        module.renorm_draft_probs(None)
+    assert root_entropy.take(3) is None  # not this batch's rows
+    c = TripletController(StubPolicy())  # batch signals: the mean over requests
+    c.begin_step(probs(0.9, 0.5), entropy=h)
+    rec = c.observe([1, 1])
+    assert rec.signals.draft_entropy == pytest.approx(0.75 * math.log(2))  # the batch's mean
+    c.begin_step(probs(0.9))
+    assert c.observe([1]).signals.draft_entropy == 0.0  # not measured: unknown
+
+
+def test_the_trace_records_what_the_policy_saw_at_the_root(tmp_path):
+    from adaptivespec.sglang.trace import StepTrace
+
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    c = TripletController(StubPolicy(), on_trace=trace.write)
+    c.begin_step(probs(0.9), entropy=torch.tensor([0.25]))
+    c.observe([2])
+    line = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
+    assert line["shape"] == [DEEP.nsteps, DEEP.topk, DEEP.ndt] and line["accepted"] == 2
+    assert line["signals"]["p1"] == pytest.approx(0.9) and line["signals"]["entropy"] == pytest.approx(0.25)
+    assert line["signals"]["top4"] >= line["signals"]["p1"]

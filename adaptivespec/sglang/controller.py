@@ -43,6 +43,19 @@ def draft_top1_prob(topk_p: torch.Tensor, reduce: str = "mean") -> float:
     return float(_reduce(per_request, reduce))
 
 
+def root_signals(topk_p: torch.Tensor, reduce: str = "mean", entropy: torch.Tensor | None = None) -> tuple[float, float, float]:
+    """The draft's top-1 probability, entropy (nats; 0 when ``entropy`` [bs] is None) and top-4
+    probability at the root, each one number for the batch (``reduce`` over requests), in one
+    device-to-host transfer. The top-4 probability sums the ``topk_p`` columns there are, at most 4."""
+    p = topk_p.float()
+    rows = [p.amax(dim=-1), p.topk(min(4, p.shape[1]), dim=-1).values.sum(-1)]
+    if entropy is not None:
+        rows.append(entropy.float().to(p.device))
+    host = torch.stack(rows).tolist()
+    top1, top4 = _reduce(host[0], reduce), _reduce(host[1], reduce)
+    return float(top1), float(_reduce(host[2], reduce)) if entropy is not None else 0.0, float(top4)
+
+
 @attrs.define(eq=False)
 class _PendingStep:
     """A step whose shape was chosen and whose accept lengths have not come back yet."""
@@ -131,11 +144,13 @@ class TripletController:
         self._step = 0
         self._last_accepted = -1
 
-    def begin_step(self, topk_p: torch.Tensor, request_ids: Iterable[Any] | None = None) -> TreeShape | None:
+    def begin_step(self, topk_p: torch.Tensor, request_ids: Iterable[Any] | None = None,
+                   entropy: torch.Tensor | None = None) -> TreeShape | None:
         """The shape of the step about to be drafted; None for an empty (idle) batch.
 
         ``topk_p``: [bs, k_max] first-level draft probabilities; ``request_ids``: the batch's
-        request ids (for sequence boundaries), or None to never reset here.
+        request ids (for sequence boundaries), or None to never reset here; ``entropy``: [bs] the
+        draft's entropy at each root (:mod:`adaptivespec.sglang.root_entropy`), None: unknown (0).
         """
         if topk_p.shape[0] == 0:
             return None
@@ -147,9 +162,12 @@ class TripletController:
             if self._last_requests is not None and not (ids & self._last_requests):
                 self.reset()
             self._last_requests = ids
+        top1, h, top4 = root_signals(topk_p, self.batch_reduce, entropy)
         signals = StepSignals(
             step=self._step,
-            draft_top1_prob=draft_top1_prob(topk_p, self.batch_reduce),
+            draft_top1_prob=top1,
+            draft_entropy=h,
+            draft_top4_prob=top4,
             last_accepted=self._last_accepted,
         )
         shape = sglang_shape(self.policy.next_shape(signals))

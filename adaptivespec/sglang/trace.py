@@ -35,6 +35,10 @@ class StepTrace:
         line = {"step": record.step, "shape": shape, "rows": record.tree_size, "bs": batch_size, "accepted": record.accepted,
                 "ms": round(record.verify_ms, 3), "gap_ms": None if gap_ms is None else round(gap_ms, 3),
                 "policy": {k: v for k, v in (record.policy_state or {}).items() if _plain(v)}}
+        sig = record.signals
+        if sig is not None:  # what the policy saw at the root (entropy 0: not measured for this policy)
+            line["signals"] = {"p1": round(sig.draft_top1_prob, 4), "entropy": round(sig.draft_entropy, 4),
+                               "top4": round(sig.draft_top4_prob, 4)}
         self._file.write(json.dumps(line) + "\n")
 
 

@@ -25,7 +25,7 @@ from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.plugins import get_plugin_host
-from adaptivespec.sglang import CONFIG_ENV
+from adaptivespec.sglang import CONFIG_ENV, root_entropy
 from adaptivespec.sglang.controller import TripletController, build_strategies, step_level_notice, verify_budget_from_env
 from adaptivespec.sglang.draft_stage import ServedDraftStage
 from adaptivespec.sglang.load_model import load_model_from_env
@@ -94,12 +94,14 @@ class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
 
     adaptivespec_topk = 0  # the bank's largest topk when > 1; 0 keeps SGLang's behaviour
 
+    adaptivespec_entropy = False  # measure the root's entropy (a policy reads it)
+
     def _draft_extend_for_decode(self, *args, **kwargs):
-        with _topk_as(self, self.adaptivespec_topk):
+        with _topk_as(self, self.adaptivespec_topk), root_entropy.measuring(self.adaptivespec_entropy):
             return super()._draft_extend_for_decode(*args, **kwargs)
 
     def _draft_extend_for_prefill(self, *args, **kwargs):
-        with _topk_as(self, self.adaptivespec_topk):
+        with _topk_as(self, self.adaptivespec_topk), root_entropy.measuring(self.adaptivespec_entropy):
             return super()._draft_extend_for_prefill(*args, **kwargs)
 
     def _rebuild_topk1_chain_buffers(self):
@@ -171,6 +173,9 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
                 keep_head_scores(ew)
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_topk = bank.max_topk() if bank.max_topk() > 1 else 0
+            if getattr(policy, "reads_draft_entropy", False):
+                self._draft_worker.adaptivespec_entropy = True
+                root_entropy.keep_root_entropy(ew)
         if bank.max_topk() == 1:
             logger.warning("adaptivespec: every shape has topk=1; SGLang then reports draft probability 1.0")
 
@@ -283,7 +288,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
         shape = None
         if decode and self._draft_worker is not None and getattr(spec, "topk_p", None) is not None:
-            shape = self.adaptivespec.begin_step(spec.topk_p, [req.rid for req in batch.reqs])
+            shape = self.adaptivespec.begin_step(spec.topk_p, [req.rid for req in batch.reqs],
+                                                 entropy=root_entropy.take(len(batch.reqs)))
         if isinstance(shape, NoDraft):
             if self._adaptivespec_active is not shape:
                 self._adaptivespec_apply(self.adaptivespec_undrafted_state, shape)
