@@ -612,3 +612,17 @@ def test_the_trace_records_what_the_policy_saw_at_the_root(tmp_path):
     assert line["shape"] == [DEEP.nsteps, DEEP.topk, DEEP.ndt] and line["accepted"] == 2
     assert line["signals"]["p1"] == pytest.approx(0.9) and line["signals"]["entropy"] == pytest.approx(0.25)
     assert line["signals"]["top4"] >= line["signals"]["p1"]
+
+
+def test_on_a_cpu_the_compiled_top_k_selection_runs_uncompiled(monkeypatch):
+    from adaptivespec.sglang.uncompiled import ENV, run_uncompiled
+
+    def later(x):
+        return x + 1
+
+    module = types.SimpleNamespace(_select_top_k_tokens_later=torch.compile(later, dynamic=True))
+    monkeypatch.setenv(ENV, "1")
+    assert run_uncompiled(module) == [] and module._select_top_k_tokens_later is not later  # kept compiled
+    monkeypatch.delenv(ENV)
+    assert run_uncompiled(module) == ["_select_top_k_tokens_later"] and module._select_top_k_tokens_later is later
+    assert run_uncompiled(module) == []  # already plain

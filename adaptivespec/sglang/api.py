@@ -121,6 +121,8 @@ REQUIRED_API: tuple[Api, ...] = (
     Api(_EW, "EagleDraftWorker._draft_extend_for_decode", "call", ("renorm_draft_probs",),
         why="the root's entropy for policies that read it (the module's renorm_draft_probs is wrapped)"),
     Api(_EW, "", "import", ("renorm_draft_probs",)),
+    Api(f"{_SPEC}.spec_utils", "select_top_k_tokens", "call", ("_select_top_k_tokens_later",),
+        why="on a CPU the plugin runs the compiled later-level top-k uncompiled (looked up per call)"),
     Api("sglang.srt.managers.schedule_batch", "Req", "attribute", ("grammar",),
         why="the grammar source reads a constrained request's grammar state"),
     Api("sglang.srt.constrained.xgrammar_backend", "XGrammarGrammar", "attribute", ("matcher", "accepted_tokens"),

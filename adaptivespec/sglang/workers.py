@@ -35,6 +35,7 @@ from adaptivespec.sglang.shapes import NoDraft, format_shapes
 from adaptivespec.sglang.stage_steps import DraftStageSteps, keep_head_scores
 from adaptivespec.sglang.state_bank import KV_RESERVE, ShapeStateBank
 from adaptivespec.sglang.trace import StepTrace
+from adaptivespec.sglang.uncompiled import run_uncompiled
 from adaptivespec.sglang.verification import VERIFYING
 from adaptivespec.types import TreeShape
 
@@ -161,6 +162,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
                 f"--speculative-num-draft-tokens {top.ndt} (adaptivespec serve passes these)"
             )
         KV_RESERVE["len"] = bank.kv_alloc_len_per_decode(self.page_size)
+        if _is_cpu_device(getattr(self, "device", None)):  # torch.compile does not pay on a CPU
+            run_uncompiled(importlib.import_module("sglang.srt.speculative.spec_utils"))
         stage = self.adaptivespec_stage
         if stage is not None:
             widest = max(stage.widths(bank.shapes))
