@@ -33,27 +33,17 @@ def _reduce(values: Sequence[float], how: str) -> float:
 
 
 # -- the per-step controller ---------------------------------------------------------------------
-def draft_top1_prob(topk_p: torch.Tensor, reduce: str = "mean") -> float:
-    """The draft's top-1 probability of a step's first level, one number for the batch.
-
-    ``topk_p``: [bs, k] probabilities of the root's k best children (``EagleDraftInput.topk_p``;
-    SGLang sorts them, the max is taken anyway). One device-to-host transfer.
-    """
-    per_request = topk_p.float().amax(dim=-1).tolist()  # [bs]
-    return float(_reduce(per_request, reduce))
-
-
 def root_signals(topk_p: torch.Tensor, reduce: str = "mean", entropy: torch.Tensor | None = None) -> tuple[float, float, float]:
     """The draft's top-1 probability, entropy (nats; 0 when ``entropy`` [bs] is None) and top-4
     probability at the root, each one number for the batch (``reduce`` over requests), in one
-    device-to-host transfer. The top-4 probability sums the ``topk_p`` columns there are, at most 4."""
+    device-to-host transfer. ``topk_p``: [bs, k] probabilities of the root's k best children
+    (``EagleDraftInput.topk_p``); the top-4 probability sums the columns there are, at most 4."""
     p = topk_p.float()
     rows = [p.amax(dim=-1), p.topk(min(4, p.shape[1]), dim=-1).values.sum(-1)]
     if entropy is not None:
         rows.append(entropy.float().to(p.device))
-    host = torch.stack(rows).tolist()
-    top1, top4 = _reduce(host[0], reduce), _reduce(host[1], reduce)
-    return float(top1), float(_reduce(host[2], reduce)) if entropy is not None else 0.0, float(top4)
+    top1, top4, *h = (float(_reduce(r, reduce)) for r in torch.stack(rows).tolist())
+    return top1, h[0] if h else 0.0, top4
 
 
 @attrs.define(eq=False)

@@ -127,36 +127,39 @@ class ServedDraftStage:
     # -- requests -----------------------------------------------------------------------------
     def _sync(self, rid: Any, prompt: Sequence[int], output: Sequence[int], grammar: Any = None) -> _RequestState:
         state = self._requests.get(rid)
-        held = state.tokens if state is not None else None
         n = len(prompt) + len(output)
-        if held is not None and len(held) != n:
+        if state is not None and len(state.tokens) != n:
+            held, seq = state.tokens, [*prompt, *output]
             m = min(n, len(held))  # the last tokens both have, compared
-            k, p = min(m, 4), len(prompt)
-            tail = list(output[m - k - p: m - p]) if m - k >= p else (list(prompt) + list(output))[m - k: m]
-            if tail != held[m - k: m]:
-                held = None  # not the same sequence (a retraction, a cut): rebuilt below
+            if seq[max(m - 4, 0): m] != held[max(m - 4, 0): m]:
+                state = None  # not the same sequence (a retraction, a cut): rebuilt below
             elif n > len(held):  # tokens emitted while the stage did not run: the sources catch up
-                missing = list(output[len(held) - len(prompt):])
+                missing = seq[len(held):]
                 for s in state.sources:
                     s.extend(missing)
                 held.extend(missing)
             # n < len(held): the server's token lists lag the verify the sources already saw
             # (the overlap scheduler): the sources keep what they hold
-        if held is None:  # new, or not in step
-            state = _RequestState(self.make_sources(), tokens=list(prompt) + list(output))
+        if state is None:  # new, or not in step
+            state = self._requests[rid] = _RequestState(self.make_sources(), tokens=[*prompt, *output])
             for s in state.sources:
                 s.reset(list(prompt))
                 if output:
                     s.extend(list(output))
-            self._requests[rid] = state
-        if grammar is not state.grammar:  # the grammar's server-side state: viewed, never advanced here
-            state.grammar = grammar
-            state.view = self.view(grammar) if grammar is not None and self.view is not None else None
+            self._set_grammar(state, grammar)
+        elif grammar is not state.grammar:
+            self._set_grammar(state, grammar)
+        return state
+
+    def _set_grammar(self, state: _RequestState, grammar: Any) -> None:
+        """The request's grammar state (server-side: viewed, never advanced here) becomes its
+        sources' ``constraint``, and its extra verify rows follow."""
+        state.grammar = grammar
+        state.view = self.view(grammar) if grammar is not None and self.view is not None else None
         for s in state.sources:
             s.constraint = state.view
         state.extra = max((s.extra_slots() for s in state.sources
                            if state.view is not None or not getattr(s, "structured_default", False)), default=0)
-        return state
 
     def propose(self, requests: Sequence[tuple]) -> list[list[CandidateTrie | None]]:
         """Each request's tries, ``requests`` as ``(rid, prompt_ids, output_ids)`` or

@@ -17,22 +17,18 @@ from typing import Any, Iterator
 
 import torch
 
+from adaptivespec.sglang.module_wraps import wrap_once
+
 _STATE: dict[str, Any] = {"on": False, "last": None}
-_RENORM: Any = None
 
 
 def keep_root_entropy(ew: Any) -> None:
     """Wrap ``ew.renorm_draft_probs`` (SGLang's EAGLE worker module) once."""
-    global _RENORM
-    original = getattr(ew, "renorm_draft_probs", None)
-    if original is None or original is _renorm_keeping_entropy:
-        return
-    _RENORM = original
-    ew.renorm_draft_probs = _renorm_keeping_entropy
+    wrap_once(ew, "renorm_draft_probs", _renorm_keeping_entropy)
 
 
-def _renorm_keeping_entropy(*args, **kwargs):
-    probs = _RENORM(*args, **kwargs)
+def _renorm_keeping_entropy(renorm, *args, **kwargs):
+    probs = renorm(*args, **kwargs)
     if _STATE["on"] and probs.dim() == 2:
         _STATE["last"] = entropy(probs)
     return probs

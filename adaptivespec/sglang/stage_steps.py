@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from adaptivespec.sglang.draft_stage import MergedTrees
+from adaptivespec.sglang.module_wraps import wrap_once
 
 logger = logging.getLogger("adaptivespec.sglang")
 
@@ -25,24 +26,18 @@ eu = importlib.import_module("sglang.srt.speculative.eagle_utils")
 _HEAD_SCORES: dict[str, Any] = {"last": None}
 """The draft's path probabilities of the head nodes SGLang kept, from its last
 ``organize_draft_results`` ([bs, ndt - 1], node order), for the draft stage's joint ranking."""
-_ORGANIZE: Any = None
 
 
 def keep_head_scores(ew: Any) -> None:
     """Wrap the EAGLE worker module's ``organize_draft_results`` (its ``draft_forward`` looks it up
     per call) so that each draft leaves its chosen nodes' scores in :data:`_HEAD_SCORES`."""
-    global _ORGANIZE
-    original = getattr(ew, "organize_draft_results", None)
-    if original is None or original is _organize_keeping_scores:
-        return
-    _ORGANIZE = original
-    ew.organize_draft_results = _organize_keeping_scores
+    wrap_once(ew, "organize_draft_results", _organize_keeping_scores)
 
 
-def _organize_keeping_scores(score_list, token_list, parents_list, num_draft_token):
+def _organize_keeping_scores(organize, score_list, token_list, parents_list, num_draft_token):
     """SGLang's ``organize_draft_results``, also keeping the scores of the nodes it chose (it
     returns their indices only)."""
-    parent_list, top_scores_index, draft_tokens = _ORGANIZE(score_list, token_list, parents_list, num_draft_token)
+    parent_list, top_scores_index, draft_tokens = organize(score_list, token_list, parents_list, num_draft_token)
     _HEAD_SCORES["last"] = torch.cat(score_list, dim=1).flatten(1).gather(1, top_scores_index)
     return parent_list, top_scores_index, draft_tokens
 
