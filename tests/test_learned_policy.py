@@ -136,12 +136,12 @@ def test_train_policy_cli_fits_and_writes_a_card_on_a_tiny_slice(tmp_path, capsy
     (out / "labels").mkdir(parents=True)
     shapes = label_shapes()
     gen = torch.Generator().manual_seed(0)
-    for p in pick_prompts([str(data)], 12):
+    for j, p in enumerate(pick_prompts([str(data)], 12)):
         n = 40
         p1 = torch.rand(n, generator=gen)
         # deeper trees accept more when the draft is confident
         acc = torch.stack([torch.clamp((p1 * (s.nsteps + s.topk / 4)).round(), max=s.nsteps) for s in shapes], 1)
-        torch.save({"id": p.id, "kind": "train", "prompt_len": 30, "tokens": n + 1, "shapes": [[s.nsteps, s.topk, s.ndt] for s in shapes],
+        torch.save({"id": p.id, "kind": "abc"[j % 3], "prompt_len": 30, "tokens": n + 1, "shapes": [[s.nsteps, s.topk, s.ndt] for s in shapes],
                     "acc": acc.to(torch.int8), "p1": p1, "entropy": 3 * (1 - p1), "top4": (p1 + 0.2).clamp(max=1), "src_match": torch.zeros(n, dtype=torch.int16),
                     "src_nodes": torch.zeros(n, dtype=torch.int16), "src_top": torch.zeros(n), "src_acc": torch.zeros(n, dtype=torch.int8),
                     "selfcheck": [1, 1]}, out / "labels" / f"{p.id}.pt")
@@ -159,6 +159,29 @@ def test_train_policy_cli_fits_and_writes_a_card_on_a_tiny_slice(tmp_path, capsy
     md = (out / "card.md").read_text()
     assert "held out" in md and "![head-choices.png](head-choices.png)" in md
     assert (out / "head-choices.png").stat().st_size > 1000 and (out / "head-vs_oracle.png").stat().st_size > 1000
+    # per kind too: the oracle bounds every policy on each kind's prompts
+    kinds = fig["per_kind"]
+    assert set(kinds) == {"a", "b", "c"} and sum(k["prompts"] for k in kinds.values()) == fig["prompts"]
+    assert all(k["oracle"]["vs_eagle3"] >= k["learned_no_hedge"]["vs_eagle3"] for k in kinds.values())
+    assert "| kind | prompts |" in md
+
+    # --evaluate: the fitted file replayed on the held-out prompts alone, nothing refitted
+    fitted = out / "learned-smollm2-135m-embedded.json"
+    before = fitted.read_bytes()
+    again = tmp_path / "again"
+    (again / "labels").mkdir(parents=True)
+    for path in (out / "labels").glob("*.pt"):
+        if path.stem in card["data"]["heldout_prompts"]:  # only those: anything else would be labelled with the model
+            (again / "labels" / path.name).write_bytes(path.read_bytes())
+    rc = main(["train-policy", "--out", str(again), "--data", str(data), "--per-file", "12", "--evaluate", str(fitted),
+               "--no-progress"])
+    assert rc == 0 and fitted.read_bytes() == before
+    replay = json.loads((again / "card.json").read_text())["models"]["head"]["heldout"]
+    assert replay["learned"]["tok_per_s"] == pytest.approx(fig["learned"]["tok_per_s"])
+    assert replay["per_kind"].keys() == kinds.keys()
+    assert main(["train-policy", "--out", str(again), "--data", str(data), "--per-file", "12", "--evaluate",
+                 str(data)]) == 2
+    assert "--evaluate" in capsys.readouterr().err
 
 
 def test_train_policy_refuses_an_evaluation_set(tmp_path, capsys):

@@ -211,13 +211,59 @@ def test_load_model_drafts_nothing_when_one_row_per_request_gives_more():
         good.observe(shape, acc)
     assert good.choose(DEEP, 8, shapes, undrafted=True) == DEEP
     # acceptance is learned only by drafting: every probe_every-th no-draft choice drafts once
-    probe = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3)
+    probe = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=1.0)
     for shape in shapes:
         probe.observe(shape, 0.2)
     picks = [probe.choose(DEEP, 8, shapes, undrafted=True) for _ in range(8)]
     assert picks == [NO_DRAFT] * 3 + [floor] + [NO_DRAFT] * 3 + [floor]  # probes at the cheapest tree
+    # ... and no more often than their modelled cost allows: a probe (52 ms) at most 10% of the
+    # undrafted run's time (36 ms a step) waits for 15 undrafted steps, not 3
+    paced = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=0.1)
+    for shape in shapes:
+        paced.observe(shape, 0.2)
+    picks = [paced.choose(DEEP, 8, shapes, undrafted=True) for _ in range(32)]
+    assert picks == ([NO_DRAFT] * 15 + [floor]) * 2
+    with pytest.raises(AdaptiveSpecError, match="probe_share"):
+        LoadModel(CostModel(fixed=20.0), probe_share=0.0)
     load.observe(NO_DRAFT, 0.0)  # ignored: nothing was drafted
     assert load.accepted(floor) == pytest.approx(0.2)
+
+
+def test_a_settled_no_draft_choice_skips_the_draft_extend_except_before_a_probe():
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    floor = TreeShape(1, 1, 2)
+    shapes = (floor, WIDE, MID, DEEP)
+    # batch 8: no drafting 8 tokens in 36 ms (222/s); the floor 8 * 1.2 in 52 ms (185/s): 1.2x
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=1.0, settle_margin=1.1)
+    for shape in shapes:
+        load.observe(shape, 0.2)
+    picks = []
+    for _ in range(8):
+        picks.append((load.choose(DEEP, 8, shapes, undrafted=True), load.settled))
+    # settled while no probe is due next; the step before a probe keeps its draft-extend (warm roots)
+    assert picks == [(NO_DRAFT, True), (NO_DRAFT, True), (NO_DRAFT, False), (floor, False)] * 2
+    # a margin the choice does not clear: undrafted, not settled
+    close = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), settle_margin=1.5)
+    for shape in shapes:
+        close.observe(shape, 0.2)
+    assert close.choose(DEEP, 8, shapes, undrafted=True) is NO_DRAFT and not close.settled
+    # a drafted choice never is
+    assert load.choose(DEEP, 1, shapes, undrafted=True) == DEEP and not load.settled
+    with pytest.raises(AdaptiveSpecError, match="settle_margin"):
+        LoadModel(CostModel(fixed=20.0), settle_margin=0.9)
+
+    # the controller passes it to the worker and the trace, and forgets it at the next step
+    traced = []
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=4.0))
+    c = TripletController(StubPolicy(), load=load, undrafted=True,
+                          on_trace=lambda r, bs, gap: traced.append(r.policy_state))
+    assert c.begin_step(probs(0.9)) == DEEP and not c.skip_draft_extend
+    c.observe([0])
+    assert c.begin_step(probs(*[0.9] * 8)) is NO_DRAFT and c.skip_draft_extend
+    c.observe([0] * 8)
+    assert traced[-1]["draft_extend"] == "skipped"
+    assert c.begin_step(torch.zeros(0, 4)) is None and not c.skip_draft_extend  # an idle batch
 
 
 def test_controller_runs_undrafted_steps_without_feeding_the_policy():

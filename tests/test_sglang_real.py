@@ -319,7 +319,7 @@ def test_hybrid_strict_matches_plain_decoding_and_merges_retrieval(served_hybrid
     assert series["adaptivespec_verify_rows_per_step_sum"] > 8 * series["adaptivespec_verify_rows_per_step_count"]
 
 
-def test_hybrid_under_load_shrinks_trees_then_stops_drafting(served_hybrid, prompt_ids):
+def test_hybrid_under_load_shrinks_trees_then_stops_drafting(served_hybrid, prompt_ids, smol32):
     from adaptivespec.sglang.metrics import parse_metrics
 
     server, trace = served_hybrid
@@ -329,6 +329,10 @@ def test_hybrid_under_load_shrinks_trees_then_stops_drafting(served_hybrid, prom
         results = list(pool.map(lambda ids: server.generate(ids, 32, timeout=600), jobs))
     assert all(1 <= r["meta_info"]["completion_tokens"] <= 32 for r in results)
     assert server.alive()
+    # what the undrafted steps emitted (their attention runs as a decode: one_row_verify) is still the
+    # float32 argmax or a bf16 near-tie of it, token by token (teacher forcing)
+    gaps = [g for ids, r in zip(jobs, results) for g in _float32_gaps(smol32[0], ids, r["output_ids"])]
+    assert max(gaps) <= NEAR_TIE and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-5:]
     steps = _trace(trace)[before:]
     shapes = {tuple(s["shape"]) for s in steps if s["bs"] > 8}
     assert (0, 0, 1) in shapes, shapes  # past 8 requests even the floor's 2 rows each exceed 16: no drafting
@@ -365,3 +369,41 @@ def test_hybrid_serves_json_schema_requests_and_refuses_a_broken_schema(served_h
     assert 400 <= status < 500, (status, body)
     assert server.alive()
     assert server.generate([1, 2, 3], 4)["meta_info"]["completion_tokens"] == 4
+
+
+# -- settled undrafted steps: the head's draft-extend skipped ------------------------------------
+@pytest.fixture(scope="module")
+def served_settled(served_hybrid, tmp_path_factory):
+    """``adaptivespec serve configs/eagle3.yaml`` with a load profile where every draft level costs
+    20 ms: from 2 requests on, drafting nothing wins by far (settled), so the worker skips the head's
+    draft-extend after those steps. The hybrid server is stopped first (one server at a time)."""
+    from adaptivespec.costmodel import CostModel
+
+    served_hybrid[0].stop()
+    out = tmp_path_factory.mktemp("settled")
+    profile = out / "drafting-is-dear.json"
+    CostModel(fixed=5.0, per_draft_level=20.0, per_verified_token=5.0).save(profile)
+    argv, env = served_command(ROOT / "configs" / "eagle3.yaml", free_port(), trace=out / "steps.jsonl",
+                               load_profile=str(profile))
+    with SGLangServer(argv, env, out / "served.log") as server:
+        yield server, out / "steps.jsonl"
+
+
+def test_settled_steps_skip_the_draft_extend_and_drafting_resumes_exactly(served_settled, plain_outputs, prompt_ids, smol32):
+    from adaptivespec.sglang.metrics import parse_metrics
+
+    server, trace = served_settled
+    jobs = [prompt_ids[i % len(prompt_ids)] for i in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda ids: server.generate(ids, 32, timeout=600), jobs))
+    series = parse_metrics(server.request("GET", "/metrics")[1])
+    assert series["adaptivespec_draft_extend_skipped_steps_total"] > 0, series
+    steps = _trace(trace)
+    assert any(s["policy"].get("draft_extend") == "skipped" for s in steps)
+    # requests that lived through skipped draft-extends and drafted again (the batch shrank at the end)
+    # still emit the float32 argmax or a bf16 near-tie of it, token by token
+    gaps = [g for ids, r in zip(jobs, results) for g in _float32_gaps(smol32[0], ids, r["output_ids"])]
+    assert max(gaps) <= NEAR_TIE and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-5:]
+    assert any(s["bs"] == 1 and s["shape"] != [0, 0, 1] for s in steps)  # drafting resumed
+    # and one request at a time afterwards is served as before
+    _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])

@@ -119,6 +119,11 @@ class TripletController:
         self.metrics = metrics
         self.undrafted = undrafted
         """Whether the load controls may run :data:`NO_DRAFT` (the worker has a state for it)."""
+        self.skip_draft_extend = False
+        """Whether the step :meth:`begin_step` just chose drafts nothing and the load model settled on
+        that (:attr:`LoadModel.settled`): the worker then skips the head's draft-extend after it."""
+        self.skip_settled_extend = True
+        """False: never skip it (``ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0``)."""
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0
@@ -142,6 +147,7 @@ class TripletController:
         request ids (for sequence boundaries), or None to never reset here; ``entropy``: [bs] the
         draft's entropy at each root (:mod:`adaptivespec.sglang.root_entropy`), None: unknown (0).
         """
+        self.skip_draft_extend = False
         if topk_p.shape[0] == 0:
             return None
         now, gap_ms = time.perf_counter(), None
@@ -171,6 +177,10 @@ class TripletController:
         run = self.fit_load(shape, bs)
         if run != shape:
             state["load_capped_from"] = str(shape)
+        self.skip_draft_extend = (self.skip_settled_extend and isinstance(run, NoDraft) and self.load is not None
+                                  and self.load.settled)
+        if self.skip_draft_extend:
+            state["draft_extend"] = "skipped"
         self._pending.append(_PendingStep(self._step, self._epoch, run, signals, state, batch_size=bs,
                                           started=now, gap_ms=gap_ms, requested=shape if run != shape else None))
         self._step += 1
@@ -272,7 +282,7 @@ class TripletController:
                             verify_ms=step_ms, other_ms=p.gap_ms or 0.0, signals=p.signals,
                             policy_state={**p.policy_state, "undrafted": "load"})
         if self.metrics is not None:
-            self.metrics.observe_undrafted("load")
+            self.metrics.observe_undrafted("load", extend_skipped=p.policy_state.get("draft_extend") == "skipped")
             self.metrics.verify_rows.observe(len(per_request))
         return self._publish(record, p)
 

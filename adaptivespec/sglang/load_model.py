@@ -28,21 +28,44 @@ class LoadModel:
     row per request, one token each) when that is expected to give more. At batch size 1 the
     policy's shape always runs (the paper's setting).
 
+    Acceptance is learned only by drafting, so a run of undrafted steps is broken by a probe at the
+    bank's cheapest tree, once the run is ``probe_every`` steps long *and* the probe's modelled cost
+    is at most ``probe_share`` of the run's (at 8-16 requests on a CPU a merged-tree probe cost 3-4
+    undrafted steps: probing every 16th step spent a fifth of the time on probes).
+
     ``accepted(s)`` is the batch mean, i.e. the sum over the requests divided by the batch size: a
     request whose drafts keep failing adds nothing to a tree's expected tokens, so the batch drafts
     only while the requests whose drafts pay outweigh the rows spent on all of them.
+
+    **Settled.** When drafting nothing beats the best tree by ``settle_margin`` (1.1: not tuned on
+    any benchmark) and no probe is due next, :attr:`settled` is set: the worker then skips the head's
+    draft-extend after that step (on a 2-vCPU CPU at 8 requests it was about 10% of an undrafted step).
+    The step before each probe keeps it, so probes draft from real roots; a request that drafts again
+    later does so with a head that missed those positions (lossless; its acceptance may drop, and
+    that is what the next probes measure).
 
     The cost model is fitted from a served trace (``serve --trace`` records each step's time):
     ``python -m adaptivespec.analysis.served_cost``; the embedded pair's CPU profile ships as
     ``sglang-cpu-smollm2-135m-bf16.json``.
     """
 
-    def __init__(self, cost: CostModel, *, decay: float = 0.9, probe_every: int = 16) -> None:
+    def __init__(self, cost: CostModel, *, decay: float = 0.9, probe_every: int = 16, probe_share: float = 0.05,
+                 settle_margin: float = 1.1) -> None:
         if not 0.0 < decay < 1.0:
             raise AdaptiveSpecError(f"load model decay: expected a number in (0, 1), got {decay!r}")
         if probe_every < 1:
             raise AdaptiveSpecError(f"load model probe_every: expected at least 1 step, got {probe_every!r}")
-        self.cost, self.decay, self.probe_every = cost, decay, probe_every
+        if not 0.0 < probe_share <= 1.0:
+            raise AdaptiveSpecError(f"load model probe_share: expected a share in (0, 1], got {probe_share!r}")
+        if settle_margin < 1.0:
+            raise AdaptiveSpecError(f"load model settle_margin: expected a ratio of at least 1.0, got {settle_margin!r}")
+        self.cost, self.decay, self.probe_every, self.settle_margin = cost, decay, probe_every, settle_margin
+        self.probe_share = probe_share
+        self._undrafted_ms = 0.0  # modelled time of the undrafted steps since the last probe
+        self.settled = False
+        """Whether the last choice was :data:`NO_DRAFT` by at least ``settle_margin`` x the best tree's
+        expected tokens/s, with no probe due next: the head's draft-extend after that step can be
+        skipped (:meth:`skip_draft_extend`)."""
         self._undrafted_in_a_row = 0
         self._accepted: dict[TreeShape, float] = {}
         self._rows: dict[TreeShape, float] = {}  # verified rows per request (the draft stage may add some)
@@ -83,24 +106,34 @@ class LoadModel:
                undrafted: bool = False) -> "TreeShape | NoDraft":
         """The shape to run for ``batch_size`` requests when the policy chose ``shape``
         (``undrafted``: :data:`NO_DRAFT` may win too)."""
+        self.settled = False
         if batch_size <= 1:
             return shape
         best, best_rate = shape, self.tokens_per_s(shape, batch_size)
-        for s in (*shapes, *((NO_DRAFT,) if undrafted else ())):
+        for s in shapes:
             if s.ndt < shape.ndt:
                 rate = self.tokens_per_s(s, batch_size)
                 if rate > best_rate:
                     best, best_rate = s, rate
-        if isinstance(best, NoDraft):
-            # acceptance is only learned by drafting: every probe_every-th undrafted choice drafts,
-            # at the bank's cheapest tree (a probe at a large tree costs several undrafted steps)
-            self._undrafted_in_a_row += 1
-            if self._undrafted_in_a_row > self.probe_every:
-                self._undrafted_in_a_row = 0
-                return min((s for s in shapes if s.ndt <= shape.ndt), key=lambda s: (s.ndt, s.nsteps * s.topk), default=shape)
-        else:
-            self._undrafted_in_a_row = 0
-        return best
+        undrafted_rate = self.tokens_per_s(NO_DRAFT, batch_size) if undrafted else 0.0
+        if undrafted_rate <= best_rate:
+            self._undrafted_in_a_row, self._undrafted_ms = 0, 0.0
+            return best
+        # acceptance is only learned by drafting: a run of undrafted choices is broken by a probe at
+        # the bank's cheapest tree (a probe at a large tree costs several undrafted steps) once it is
+        # probe_every steps long and the probe costs at most probe_share of the run's modelled time
+        probe = min((s for s in shapes if s.ndt <= shape.ndt), key=lambda s: (s.ndt, s.nsteps * s.topk), default=shape)
+        if self._probe_due(probe, batch_size):
+            self._undrafted_in_a_row, self._undrafted_ms = 0, 0.0
+            return probe
+        self._undrafted_in_a_row += 1
+        self._undrafted_ms += self.step_ms(NO_DRAFT, batch_size)
+        self.settled = undrafted_rate >= self.settle_margin * best_rate and not self._probe_due(probe, batch_size)
+        return NO_DRAFT
+
+    def _probe_due(self, probe: TreeShape, batch_size: int) -> bool:
+        return (self._undrafted_in_a_row >= self.probe_every
+                and self.probe_share * self._undrafted_ms >= self.step_ms(probe, batch_size))
 
 
 def load_model_from_env() -> LoadModel | None:

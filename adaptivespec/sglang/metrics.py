@@ -22,6 +22,10 @@ name                                                         type       what
                                                                         candidate sources once served)
 ``adaptivespec_undrafted_steps_total{reason}``               counter    steps run without drafting, by
                                                                         why (``load``, ``policy``)
+``adaptivespec_draft_extend_skipped_steps_total``            counter    undrafted steps after which the
+                                                                        head's draft-extend was skipped
+                                                                        (the load model settled on not
+                                                                        drafting)
 ``adaptivespec_verify_rows_per_step``                        histogram  rows the target verified in one
                                                                         step (batch size x ndt)
 ``adaptivespec_load_choice_draft_tokens{batch_size}``        gauge      ndt the load controller last ran
@@ -75,6 +79,8 @@ class SpecMetrics:
         self.accepted = Counter(f"{p}_accepted_tokens", "Accepted drafted tokens by the proposer that drafted them",
                                 ["source"], registry=reg)
         self.undrafted = Counter(f"{p}_undrafted_steps", "Decode steps run without drafting, by why", ["reason"], registry=reg)
+        self.extend_skipped = Counter(f"{p}_draft_extend_skipped_steps",
+                                      "Undrafted steps after which the head's draft-extend was skipped", registry=reg)
         self.verify_rows = Histogram(f"{p}_verify_rows_per_step", "Rows the target verified in one step (batch size x ndt)",
                                      buckets=ROW_BUCKETS, registry=reg)
         self.load_choice = Gauge(f"{p}_load_choice_draft_tokens", "Draft tokens (ndt) the load controller last ran at a batch size",
@@ -125,11 +131,14 @@ class SpecMetrics:
         for name in names:
             self.accepted.labels(source=name)
 
-    def observe_undrafted(self, reason: str) -> None:
-        """A step that ran without drafting (``reason``: one of :data:`UNDRAFTED_REASONS`)."""
+    def observe_undrafted(self, reason: str, extend_skipped: bool = False) -> None:
+        """A step that ran without drafting (``reason``: one of :data:`UNDRAFTED_REASONS`;
+        ``extend_skipped``: the head's draft-extend after it was skipped)."""
         if reason not in UNDRAFTED_REASONS:
             raise ValueError(f"undrafted reason: expected one of {', '.join(UNDRAFTED_REASONS)}, got {reason!r}")
         self.undrafted.labels(reason=reason).inc()
+        if extend_skipped:
+            self.extend_skipped.inc()
 
     def observe_state(self, *, pending: int, tracked: int) -> None:
         """The controller's per-request state sizes (bounded by the batch: tested by the soak)."""

@@ -19,6 +19,8 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from sglang.srt.runtime_context import get_context, get_parallel, get_spec
 from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 
@@ -30,6 +32,7 @@ from adaptivespec.sglang.controller import TripletController, build_strategies, 
 from adaptivespec.sglang.draft_stage import ServedDraftStage
 from adaptivespec.sglang.load_model import load_model_from_env
 from adaptivespec.sglang.metrics import SpecMetrics
+from adaptivespec.sglang.one_row_verify import decode_one_row_verify
 from adaptivespec.sglang.platform import unsupported_reason
 from adaptivespec.sglang.shapes import NoDraft, format_shapes
 from adaptivespec.sglang.stage_steps import DraftStageSteps, keep_head_scores
@@ -97,9 +100,29 @@ class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
 
     adaptivespec_entropy = False  # measure the root's entropy (a policy reads it)
 
-    def _draft_extend_for_decode(self, *args, **kwargs):
+    adaptivespec_skip_extend = False  # this step's draft-extend is skipped (set per step by the worker)
+
+    def _draft_extend_for_decode(self, batch, batch_result, *args, **kwargs):
+        if self.adaptivespec_skip_extend:
+            return self._adaptivespec_skipped_extend(batch, batch_result)
         with _topk_as(self, self.adaptivespec_topk), root_entropy.measuring(self.adaptivespec_entropy):
-            return super()._draft_extend_for_decode(*args, **kwargs)
+            return super()._draft_extend_for_decode(batch, batch_result, *args, **kwargs)
+
+    def _adaptivespec_skipped_extend(self, batch, batch_result) -> None:
+        """A settled undrafted step's draft-extend, skipped (as SGLang's zero-step flag
+        ``SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND`` does, decided per step here): the next step's
+        draft input gets zeros of the right shapes (the bank's widest top-k, so that a batch merged
+        with new requests stays consistent). The head's KV cache then lacks these positions; a
+        request that drafts again later drafts from a colder head (verification keeps the output
+        exact; its acceptance may drop), which is why only settled steps skip it."""
+        nxt = batch_result.next_draft_input
+        bs, device = batch.seq_lens.shape[0], batch.seq_lens.device
+        k = max(self.topk, self.adaptivespec_topk)
+        nxt.topk_p = torch.zeros((bs, k), dtype=torch.float32, device=device)
+        nxt.topk_index = torch.zeros((bs, k), dtype=torch.int64, device=device)
+        hidden_size, hidden_dtype = ew.get_draft_recurrent_hidden_state_spec(self.draft_runner)
+        if hidden_size is not None:
+            nxt.hidden_states = torch.zeros((bs, hidden_size), dtype=hidden_dtype, device=device)
 
     def _draft_extend_for_prefill(self, *args, **kwargs):
         with _topk_as(self, self.adaptivespec_topk), root_entropy.measuring(self.adaptivespec_entropy):
@@ -145,6 +168,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
             load=load_model_from_env(),
             metrics=SpecMetrics.from_env(),
         )
+        # ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0: the head's draft-extend runs after every undrafted step
+        self.adaptivespec.skip_settled_extend = os.environ.get("ADAPTIVESPEC_SGLANG_SKIP_EXTEND", "1") != "0"
         # the load controls may run a step that drafts nothing (SGLang's nsteps == 0 path)
         self.adaptivespec.undrafted = self.adaptivespec.load is not None or self.adaptivespec.verify_budget is not None
         notice = step_level_notice(policy)
@@ -203,11 +228,16 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
     def _adaptivespec_undrafted(self):
         """The state of a step that drafts nothing: SGLang's ``speculative_num_steps == 0`` path
         verifies the last token alone (one row per request), with a target verify backend for one
-        row; the draft backends are the live ones (its draft extension still runs). Eager on
-        every device (no graph is captured for it)."""
+        row -- on SGLang's CPU backend its attention runs with the decode kernel
+        (:mod:`adaptivespec.sglang.one_row_verify`; ``ADAPTIVESPEC_SGLANG_ONE_ROW_DECODE=0`` keeps the
+        extend kernel); the draft backends are the live ones (its draft extension still runs).
+        Eager on every device (no graph is captured for it)."""
         live = self._adaptivespec_live_state()
         with self._override_worker_state(0, 1):
-            return _eager_state(0, 1, live.draft_attn_backend, live.draft_extend_attn_backend, self._adaptivespec_verify_backend())
+            target = self._adaptivespec_verify_backend()
+        if os.environ.get("ADAPTIVESPEC_SGLANG_ONE_ROW_DECODE", "1") != "0" and decode_one_row_verify(target):
+            logger.info("adaptivespec: the no-draft step runs its attention with the decode kernel")
+        return _eager_state(0, 1, live.draft_attn_backend, live.draft_extend_attn_backend, target)
 
     def _adaptivespec_verify_backend(self):
         """A new target attention backend sized by the (overridden) speculative settings."""
@@ -293,6 +323,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
         if decode and self._draft_worker is not None and getattr(spec, "topk_p", None) is not None:
             shape = self.adaptivespec.begin_step(spec.topk_p, [req.rid for req in batch.reqs],
                                                  entropy=root_entropy.take(len(batch.reqs)))
+        if self._draft_worker is not None:
+            self._draft_worker.adaptivespec_skip_extend = isinstance(shape, NoDraft) and self.adaptivespec.skip_draft_extend
         if isinstance(shape, NoDraft):
             if self._adaptivespec_active is not shape:
                 self._adaptivespec_apply(self.adaptivespec_undrafted_state, shape)

@@ -22,6 +22,8 @@ Times come from the calibrated cost model (``adaptivespec calibrate``), as the p
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any, Callable
 
 import numpy as np
@@ -225,9 +227,11 @@ def replay_policy(policy, P: Prompts, cost: CostModel, on_step: Callable | None 
     return {"ms": total, "steps": sum(chosen.values()), "shapes_used": dict(sorted(chosen.items(), key=lambda kv: -kv[1]))}
 
 
-def evaluate(P: Prompts, cost: CostModel, model: dict, train_static: int, dcs_policy=None) -> dict[str, Any]:
+def evaluate(P: Prompts, cost: CostModel, model: dict, train_static: int, dcs_policy=None,
+             per_kind: bool = True) -> dict[str, Any]:
     """Held-out figures: tokens per modelled second of the learned policy (hedge on, off), static
-    shapes, the DCS config and the oracle; ratios against the best static shape chosen on training prompts."""
+    shapes, the DCS config and the oracle; ratios against the best static shape chosen on training
+    prompts. ``per_kind``: the same figures for each kind of prompt apart (``out["per_kind"]``)."""
     f = Fitter(P, cost)
     static = f.static_ms()
     tokens = P.positions
@@ -254,8 +258,18 @@ def evaluate(P: Prompts, cost: CostModel, model: dict, train_static: int, dcs_po
         for k, it in enumerate(P.items):
             acc = [{c: int(it["A"][i, c]) for c in cols} for i in range(it["A"].shape[0])]
             ms += oracle_ms(acc, f.T[k], cols)
-        out[name] = {"tok_per_s": rate(ms), "vs_ref": ref / ms}
+        out[name] = {"tok_per_s": rate(ms), "vs_ref": ref / ms, "vs_eagle3": static[e3] / ms}
+    if per_kind:
+        kinds = sorted({it["kind"] for it in P.items})
+        out["per_kind"] = {k: evaluate(_subset(P, [it for it in P.items if it["kind"] == k]), cost, model, train_static,
+                                       dcs_policy, per_kind=False) for k in kinds}
     return out
+
+
+def _subset(P: Prompts, items: list[dict]) -> Prompts:
+    Q = copy.copy(P)
+    Q.items = items
+    return Q
 
 
 def oracle_ms(acc: list[dict], T: np.ndarray, cols: list[int]) -> float:
