@@ -20,6 +20,9 @@ from adaptivespec.sglang.shapes import NO_DRAFT, NoDraft, format_shapes, load_fl
 from adaptivespec.strategies import TreePolicy, Verifier
 from adaptivespec.types import StepRecord, StepSignals, TreeShape
 
+SKIP_EXTEND_ENV = "ADAPTIVESPEC_SGLANG_SKIP_EXTEND"
+"""``0``: the head's draft-extend runs after every undrafted step (see :attr:`LoadModel.settled`)."""
+
 BATCH_REDUCERS = ("mean", "min", "max")
 """How a batch's per-request signals become the one value a batch-wide shape is chosen from."""
 
@@ -123,7 +126,7 @@ class TripletController:
         """Whether the step :meth:`begin_step` just chose drafts nothing and the load model settled on
         that (:attr:`LoadModel.settled`): the worker then skips the head's draft-extend after it."""
         self.skip_settled_extend = True
-        """False: never skip it (``ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0``)."""
+        """False: never skip it (``$ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0``, :data:`SKIP_EXTEND_ENV`)."""
         self.last_record: StepRecord | None = None
         self._pending: collections.deque[_PendingStep] = collections.deque()
         self._epoch = 0

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+ENV = "ADAPTIVESPEC_SGLANG_ONE_ROW_DECODE"
+"""``0``: the no-draft step keeps SGLang's extend kernel."""
+
 BACKENDS = ("IntelAMXAttnBackend",)
 """The attention backends whose one-row verify runs as a decode (their ``forward_decode`` reads
 ``draft_decode_metadata`` for its sequence table and lengths when it is set)."""

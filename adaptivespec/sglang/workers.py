@@ -27,12 +27,12 @@ from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.plugins import get_plugin_host
-from adaptivespec.sglang import CONFIG_ENV, root_entropy
-from adaptivespec.sglang.controller import TripletController, build_strategies, step_level_notice, verify_budget_from_env
+from adaptivespec.sglang import CONFIG_ENV, one_row_verify, root_entropy
+from adaptivespec.sglang.controller import (SKIP_EXTEND_ENV, TripletController, build_strategies, step_level_notice,
+                                            verify_budget_from_env)
 from adaptivespec.sglang.draft_stage import ServedDraftStage
 from adaptivespec.sglang.load_model import load_model_from_env
 from adaptivespec.sglang.metrics import SpecMetrics
-from adaptivespec.sglang.one_row_verify import decode_one_row_verify
 from adaptivespec.sglang.platform import unsupported_reason
 from adaptivespec.sglang.shapes import NoDraft, format_shapes
 from adaptivespec.sglang.stage_steps import DraftStageSteps, keep_head_scores
@@ -168,8 +168,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
             load=load_model_from_env(),
             metrics=SpecMetrics.from_env(),
         )
-        # ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0: the head's draft-extend runs after every undrafted step
-        self.adaptivespec.skip_settled_extend = os.environ.get("ADAPTIVESPEC_SGLANG_SKIP_EXTEND", "1") != "0"
+        # $ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0: the head's draft-extend runs after every undrafted step
+        self.adaptivespec.skip_settled_extend = os.environ.get(SKIP_EXTEND_ENV, "1") != "0"
         # the load controls may run a step that drafts nothing (SGLang's nsteps == 0 path)
         self.adaptivespec.undrafted = self.adaptivespec.load is not None or self.adaptivespec.verify_budget is not None
         notice = step_level_notice(policy)
@@ -230,12 +230,13 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
         verifies the last token alone (one row per request), with a target verify backend for one
         row -- on SGLang's CPU backend its attention runs with the decode kernel
         (:mod:`adaptivespec.sglang.one_row_verify`; ``ADAPTIVESPEC_SGLANG_ONE_ROW_DECODE=0`` keeps the
-        extend kernel); the draft backends are the live ones (its draft extension still runs).
+        extend kernel); the draft backends are the live ones (its draft extension runs unless the
+        load model settled on not drafting: :attr:`LoadModel.settled`).
         Eager on every device (no graph is captured for it)."""
         live = self._adaptivespec_live_state()
         with self._override_worker_state(0, 1):
             target = self._adaptivespec_verify_backend()
-        if os.environ.get("ADAPTIVESPEC_SGLANG_ONE_ROW_DECODE", "1") != "0" and decode_one_row_verify(target):
+        if os.environ.get(one_row_verify.ENV, "1") != "0" and one_row_verify.decode_one_row_verify(target):
             logger.info("adaptivespec: the no-draft step runs its attention with the decode kernel")
         return _eager_state(0, 1, live.draft_attn_backend, live.draft_extend_attn_backend, target)
 
