@@ -141,6 +141,13 @@ def _float32_gaps(model, prompt: list[int], output: list[int]) -> list[float]:
     return (logits.max(dim=1).values - chosen).tolist()
 
 
+def _check_near_argmax(model, prompts, results) -> None:
+    """Every emitted token of ``results`` (``generate`` answers to ``prompts``) is the float32 argmax or
+    a bf16 near-tie of it, and at least 90% are the argmax (teacher forcing)."""
+    gaps = [g for ids, r in zip(prompts, results) for g in _float32_gaps(model, ids, r["output_ids"])]
+    assert max(gaps) <= NEAR_TIE and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-5:]
+
+
 def _check_strict_against_plain(server, plain_outputs, prompt_ids, model) -> None:
     """Every token a strict served config emits is the float32 argmax or a bf16 near-tie of it, and
     where it parts from SGLang's plain decoding the two tokens are a near-tie (see the module docstring)."""
@@ -331,8 +338,7 @@ def test_hybrid_under_load_shrinks_trees_then_stops_drafting(served_hybrid, prom
     assert server.alive()
     # what the undrafted steps emitted (their attention runs as a decode: one_row_verify) is still the
     # float32 argmax or a bf16 near-tie of it, token by token (teacher forcing)
-    gaps = [g for ids, r in zip(jobs, results) for g in _float32_gaps(smol32[0], ids, r["output_ids"])]
-    assert max(gaps) <= NEAR_TIE and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-5:]
+    _check_near_argmax(smol32[0], jobs, results)
     steps = _trace(trace)[before:]
     shapes = {tuple(s["shape"]) for s in steps if s["bs"] > 8}
     assert (0, 0, 1) in shapes, shapes  # past 8 requests even the floor's 2 rows each exceed 16: no drafting
@@ -402,8 +408,7 @@ def test_settled_steps_skip_the_draft_extend_and_drafting_resumes_exactly(served
     assert any(s["policy"].get("draft_extend") == "skipped" for s in steps)
     # requests that lived through skipped draft-extends and drafted again (the batch shrank at the end)
     # still emit the float32 argmax or a bf16 near-tie of it, token by token
-    gaps = [g for ids, r in zip(jobs, results) for g in _float32_gaps(smol32[0], ids, r["output_ids"])]
-    assert max(gaps) <= NEAR_TIE and sum(g == 0 for g in gaps) >= 0.9 * len(gaps), sorted(gaps)[-5:]
+    _check_near_argmax(smol32[0], jobs, results)
     assert any(s["bs"] == 1 and s["shape"] != [0, 0, 1] for s in steps)  # drafting resumed
     # and one request at a time afterwards is served as before
     _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])

@@ -65,7 +65,7 @@ class LoadModel:
         self.settled = False
         """Whether the last choice was :data:`NO_DRAFT` by at least ``settle_margin`` x the best tree's
         expected tokens/s, with no probe due next: the head's draft-extend after that step can be
-        skipped (:meth:`skip_draft_extend`)."""
+        skipped (:attr:`~adaptivespec.sglang.controller.TripletController.skip_draft_extend`)."""
         self._undrafted_in_a_row = 0
         self._accepted: dict[TreeShape, float] = {}
         self._rows: dict[TreeShape, float] = {}  # verified rows per request (the draft stage may add some)

@@ -89,23 +89,11 @@ def run(args) -> int:
     if not train or not held:
         raise AdaptiveSpecError(f"--per-file {args.per_file}: too few labelled prompts to fit and hold out "
                                 f"({len(train)} training, {len(held)} held out)")
-    cost_path = resolve_profile(args.profile, DEFAULT_COST_PROFILE, "--profile")
-    cost = CostModel.load(cost_path)
-    selfcheck = [sum(lab["selfcheck"][j] for lab in train + held) for j in (0, 1)]
-    data = {"files": list(args.data), "per_file": args.per_file, "max_new_tokens": args.max_new_tokens,
-            "train_prompts": [lab["id"] for lab in train], "heldout_prompts": [lab["id"] for lab in held],
-            "train_positions": sum(lab["acc"].shape[0] for lab in train),
-            "heldout_positions": sum(lab["acc"].shape[0] for lab in held),
-            "labelled_shapes": len(train[0]["shapes"]), "selfcheck_steps_equal": selfcheck,
-            "cost_profile": cost_path.name}
-    card = {"data": data, "features": list(FEATURES), "basis": list(BASIS), "models": {}}
+    cost, card = _new_card(args, train, held)
     modes = ("head", "hybrid") if args.mode == "both" else (args.mode,)
     for mode in modes:
-        card["models"][mode] = fit_mode(mode, train, held, cost, args, data)
-    (args.out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
-    (args.out / "card.md").write_text(card_markdown(card))
-    log(f"card: {args.out / 'card.md'}")
-    return 0
+        card["models"][mode] = fit_mode(mode, train, held, cost, args, card["data"])
+    return _write_card(args, card)
 
 
 def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: dict) -> dict:
@@ -138,6 +126,27 @@ def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: di
             "train_vs_best_static": meta["train_vs_best_static"], "heldout": fig}
 
 
+def _new_card(args, train: list[dict], held: list[dict]) -> tuple[CostModel, dict]:
+    """The cost model (``--profile``) and a card without models yet: its data and features."""
+    cost_path = resolve_profile(args.profile, DEFAULT_COST_PROFILE, "--profile")
+    labels = train + held
+    data = {"files": list(args.data), "per_file": args.per_file, "max_new_tokens": args.max_new_tokens,
+            "train_prompts": [lab["id"] for lab in train], "heldout_prompts": [lab["id"] for lab in held],
+            "train_positions": sum(lab["acc"].shape[0] for lab in train),
+            "heldout_positions": sum(lab["acc"].shape[0] for lab in held),
+            "labelled_shapes": len(labels[0]["shapes"]),
+            "selfcheck_steps_equal": [sum(lab["selfcheck"][j] for lab in labels) for j in (0, 1)],
+            "cost_profile": cost_path.name}
+    return CostModel.load(cost_path), {"data": data, "features": list(FEATURES), "basis": list(BASIS), "models": {}}
+
+
+def _write_card(args, card: dict) -> int:
+    (args.out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (args.out / "card.md").write_text(card_markdown(card))
+    log(f"card: {args.out / 'card.md'}")
+    return 0
+
+
 def _read_fitted(path: Path) -> tuple[Path, dict]:
     try:
         fitted = json.loads(path.read_text())
@@ -153,14 +162,7 @@ def evaluate_files(args, fitted_files: list[tuple[Path, dict]], held: list[dict]
     """``--evaluate``: the card of already fitted files, replayed on the held-out prompts (per kind too)."""
     if not held:
         raise AdaptiveSpecError(f"--per-file {args.per_file}: no held-out prompt to replay on")
-    cost_path = resolve_profile(args.profile, DEFAULT_COST_PROFILE, "--profile")
-    cost = CostModel.load(cost_path)
-    data = {"files": list(args.data), "per_file": args.per_file, "max_new_tokens": args.max_new_tokens,
-            "train_prompts": [], "heldout_prompts": [lab["id"] for lab in held], "train_positions": 0,
-            "heldout_positions": sum(lab["acc"].shape[0] for lab in held), "labelled_shapes": len(held[0]["shapes"]),
-            "selfcheck_steps_equal": [sum(lab["selfcheck"][j] for lab in held) for j in (0, 1)],
-            "cost_profile": cost_path.name}
-    card = {"data": data, "features": list(FEATURES), "basis": list(BASIS), "models": {}}
+    cost, card = _new_card(args, [], held)
     for path, fitted in fitted_files:
         mode = fitted["mode"]
         H = Prompts(held, mode, extra_slots=int(fitted.get("extra_slots") or 8))
@@ -172,10 +174,7 @@ def evaluate_files(args, fitted_files: list[tuple[Path, dict]], held: list[dict]
                                 "train_vs_best_static": fitted.get("train_vs_best_static", float("nan")), "heldout": fig}
         log(f"{mode}: {path.name} held out: learned {fig['learned']['vs_eagle3']:.3f}x (3,4,8), "
             f"oracle {fig['oracle']['vs_eagle3']:.3f}x")
-    (args.out / "card.json").write_text(json.dumps(card, indent=1) + "\n")
-    (args.out / "card.md").write_text(card_markdown(card))
-    log(f"card: {args.out / 'card.md'}")
-    return 0
+    return _write_card(args, card)
 
 
 def _dcs_policy():
