@@ -191,6 +191,14 @@ def test_controller_with_a_load_model_runs_the_cheaper_shape_and_learns_from_wha
     assert gaps[0] is None and gaps[1] >= 0 and gaps[2] is None and gaps[3] >= 0
 
 
+def _fell_to(load: LoadModel, shapes, first: float, now: float) -> None:
+    """Every shape accepted ``first`` once, then ``now`` until its moving average is about ``now``."""
+    for shape in shapes:
+        load.observe(shape, first)
+        for _ in range(60):
+            load.observe(shape, now)
+
+
 def test_load_model_drafts_nothing_when_one_row_per_request_gives_more():
     from adaptivespec.sglang.shapes import NO_DRAFT
 
@@ -210,19 +218,27 @@ def test_load_model_drafts_nothing_when_one_row_per_request_gives_more():
     for shape, acc in ((floor, 0.8), (WIDE, 1.5), (MID, 2.2), (DEEP, 3.5)):
         good.observe(shape, acc)
     assert good.choose(DEEP, 8, shapes, undrafted=True) == DEEP
-    # acceptance is learned only by drafting: every probe_every-th no-draft choice drafts once
+    # acceptance is learned only by drafting: every probe_every-th no-draft choice drafts once,
+    # while the probe at the best acceptance it has had (0.5 at first, 0.2 now) would beat no drafting
+    # (at batch 8 the floor: 12 tokens in 52 ms, no drafting 8 in 36 ms)
     probe = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=1.0)
-    for shape in shapes:
-        probe.observe(shape, 0.2)
+    _fell_to(probe, shapes, 0.5, 0.2)
     picks = [probe.choose(DEEP, 8, shapes, undrafted=True) for _ in range(8)]
     assert picks == [NO_DRAFT] * 3 + [floor] + [NO_DRAFT] * 3 + [floor]  # probes at the cheapest tree
     # ... and no more often than their modelled cost allows: a probe (52 ms) at most 10% of the
     # undrafted run's time (36 ms a step) waits for 15 undrafted steps, not 3
     paced = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=0.1)
-    for shape in shapes:
-        paced.observe(shape, 0.2)
+    _fell_to(paced, shapes, 0.5, 0.2)
     picks = [paced.choose(DEEP, 8, shapes, undrafted=True) for _ in range(32)]
     assert picks == ([NO_DRAFT] * 15 + [floor]) * 2
+    # ... and never where it cannot change the choice: the floor at its best (0.5: 24 tokens in
+    # 84 ms at batch 16) loses to no drafting (16 in 52 ms); nor when 0.2 is all it ever had
+    assert [probe.choose(DEEP, 16, shapes, undrafted=True) for _ in range(12)] == [NO_DRAFT] * 12
+    never = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=1.0)
+    for shape in shapes:
+        never.observe(shape, 0.2)
+    assert [never.choose(DEEP, 8, shapes, undrafted=True) for _ in range(12)] == [NO_DRAFT] * 12
+    assert never.settled  # nothing to learn: every step after it skips the draft-extend
     with pytest.raises(AdaptiveSpecError, match="probe_share"):
         LoadModel(CostModel(fixed=20.0), probe_share=0.0)
     load.observe(NO_DRAFT, 0.0)  # ignored: nothing was drafted
@@ -236,8 +252,7 @@ def test_a_settled_no_draft_choice_skips_the_draft_extend_except_before_a_probe(
     shapes = (floor, WIDE, MID, DEEP)
     # batch 8: no drafting 8 tokens in 36 ms (222/s); the floor 8 * 1.2 in 52 ms (185/s): 1.2x
     load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), probe_every=3, probe_share=1.0, settle_margin=1.1)
-    for shape in shapes:
-        load.observe(shape, 0.2)
+    _fell_to(load, shapes, 0.5, 0.2)
     picks = []
     for _ in range(8):
         picks.append((load.choose(DEEP, 8, shapes, undrafted=True), load.settled))
@@ -264,6 +279,35 @@ def test_a_settled_no_draft_choice_skips_the_draft_extend_except_before_a_probe(
     c.observe([0] * 8)
     assert traced[-1]["draft_extend"] == "skipped"
     assert c.begin_step(torch.zeros(0, 4)) is None and not c.skip_draft_extend  # an idle batch
+
+
+def test_requests_admitted_while_settled_skip_the_heads_prefill_unless_the_live_batch_disagrees():
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    floor = TreeShape(1, 1, 2)
+    shapes = (floor, WIDE, MID, DEEP)
+    load = LoadModel(CostModel(fixed=20.0, per_verified_token=2.0))
+    for shape in shapes:
+        load.observe(shape, 0.2)
+    # batch 8: no drafting 222 tok/s vs the floor's 185 (1.2x, clears 1.1); batch 2: 2 rows cost little
+    assert load.would_settle(8, shapes) and not load.would_settle(2, shapes) and not load.would_settle(1, shapes)
+    assert not LoadModel(CostModel(fixed=20.0, per_verified_token=2.0), settle_margin=1.5).would_settle(8, shapes)
+    before = (load.settled, load._undrafted_in_a_row, load._undrafted_ms)
+    load.would_settle(8, shapes)
+    assert (load.settled, load._undrafted_in_a_row, load._undrafted_ms) == before  # asking changes nothing
+
+    c = TripletController(StubPolicy(), load=LoadModel(CostModel(fixed=20.0, per_verified_token=4.0)), undrafted=True)
+    assert not c.skip_prefill_extend(9)  # no decode step yet: nothing settled
+    c.begin_step(probs(0.9))
+    c.observe([0])
+    assert c.begin_step(probs(*[0.9] * 8)) is NO_DRAFT and c.skip_draft_extend
+    assert c.skip_prefill_extend(9)
+    # the flag is the last decode step's: a server gone idle that admits one request drafts for it
+    assert not c.skip_prefill_extend(1)
+    c.observe([0] * 8)
+    c.skip_settled_extend = False  # $ADAPTIVESPEC_SGLANG_SKIP_EXTEND=0
+    assert c.begin_step(probs(*[0.9] * 8)) is NO_DRAFT and not c.skip_draft_extend and not c.skip_prefill_extend(9)
+    assert not TripletController(StubPolicy()).skip_prefill_extend(9)  # no load model
 
 
 def test_controller_runs_undrafted_steps_without_feeding_the_policy():

@@ -29,6 +29,7 @@ def test_every_series_is_exported_before_traffic(metrics):
     assert series['adaptivespec_undrafted_steps_total{reason="load"}'] == 0.0
     assert series['adaptivespec_undrafted_steps_total{reason="policy"}'] == 0.0
     assert series["adaptivespec_draft_extend_skipped_steps_total"] == 0.0
+    assert series["adaptivespec_prefill_draft_extend_skipped_batches_total"] == 0.0
     assert series["adaptivespec_accepted_tokens_per_step_count"] == 0.0
 
 
@@ -80,3 +81,22 @@ def test_shape_labels_and_parsing():
     assert shape_label(TreeShape(6, 4, 12)) == "6,4,12"
     text = "# HELP x\nadaptivespec_a_total 3.0\nsglang_b 1\nadaptivespec_c{le=\"+Inf\"} 2\nadaptivespec_bad x\n"
     assert parse_metrics(text) == {"adaptivespec_a_total": 3.0, 'adaptivespec_c{le="+Inf"}': 2.0}
+
+
+def test_the_controller_counts_prefills_that_skip_the_heads_draft_extend(metrics):
+    import torch
+
+    from adaptivespec.costmodel import CostModel
+    from adaptivespec.policies.static import StaticParams, StaticPolicy
+    from adaptivespec.sglang.controller import TripletController
+    from adaptivespec.sglang.load_model import LoadModel
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    m, registry = metrics
+    c = TripletController(StaticPolicy(StaticParams(nsteps=3, topk=4, ndt=8)), undrafted=True, metrics=m,
+                          load=LoadModel(CostModel(fixed=20.0, per_verified_token=4.0)))
+    c.begin_step(torch.full((1, 4), 0.2))
+    c.observe([0])
+    assert c.begin_step(torch.full((8, 4), 0.2)) is NO_DRAFT and c.skip_draft_extend
+    assert c.skip_prefill_extend(9) and not c.skip_prefill_extend(1)
+    assert read(registry)["adaptivespec_prefill_draft_extend_skipped_batches_total"] == 1

@@ -404,6 +404,8 @@ def test_settled_steps_skip_the_draft_extend_and_drafting_resumes_exactly(served
         results = list(pool.map(lambda ids: server.generate(ids, 32, timeout=600), jobs))
     series = parse_metrics(server.request("GET", "/metrics")[1])
     assert series["adaptivespec_draft_extend_skipped_steps_total"] > 0, series
+    # requests admitted while the batch was settled skipped the head's prefill (they are among those checked below)
+    assert series["adaptivespec_prefill_draft_extend_skipped_batches_total"] > 0, series
     steps = _trace(trace)
     assert any(s["policy"].get("draft_extend") == "skipped" for s in steps)
     # requests that lived through skipped draft-extends and drafted again (the batch shrank at the end)

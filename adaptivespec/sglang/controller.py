@@ -189,6 +189,18 @@ class TripletController:
         self._step += 1
         return run
 
+    def skip_prefill_extend(self, live_requests: int) -> bool:
+        """Whether requests admitted now skip the head's draft-extend over their prompt: the last
+        decode step skipped its own (:attr:`skip_draft_extend`: the load model settled on drafting
+        nothing) and drafting nothing still beats every bank tree by the settle margin with
+        ``live_requests`` in the batch (:meth:`LoadModel.would_settle`; the live count guards a
+        stale flag, e.g. after the server went idle). Counted in the metrics when it is."""
+        skip = (self.skip_draft_extend and self.load is not None
+                and self.load.would_settle(live_requests, self.shapes))
+        if skip and self.metrics is not None:
+            self.metrics.observe_prefill_extend_skipped()
+        return skip
+
     def fit_load(self, shape: TreeShape, batch_size: int) -> "TreeShape | NoDraft":
         """The shape to run for a batch of ``batch_size``: the policy's ``shape``, shrunk by the
         load model (:class:`LoadModel`: the shape with the most tokens per second by the served

@@ -30,8 +30,13 @@ class LoadModel:
 
     Acceptance is learned only by drafting, so a run of undrafted steps is broken by a probe at the
     bank's cheapest tree, once the run is ``probe_every`` steps long *and* the probe's modelled cost
-    is at most ``probe_share`` of the run's (at 8-16 requests on a CPU a merged-tree probe cost 3-4
-    undrafted steps: probing every 16th step spent a fifth of the time on probes).
+    is at most ``probe_share`` of the run's (at 8-16 requests on a CPU a merged-tree probe cost 3-5
+    undrafted steps: probing every 16th step spent a fifth of the time on probes) *and* what it
+    could learn can change the choice: at the highest acceptance that shape has had so far (its
+    moving average's peak), the probe's tree would beat drafting nothing at this batch size. Where
+    not even that beats it, a probe buys nothing and none runs (at 14-16 requests here each one cost
+    ~250 ms against ~52 ms undrafted). A workload whose acceptance rises above anything seen since
+    start is found at the smaller batch sizes where the peak still makes probing worth it.
 
     ``accepted(s)`` is the batch mean, i.e. the sum over the requests divided by the batch size: a
     request whose drafts keep failing adds nothing to a tree's expected tokens, so the batch drafts
@@ -68,6 +73,7 @@ class LoadModel:
         skipped (:attr:`~adaptivespec.sglang.controller.TripletController.skip_draft_extend`)."""
         self._undrafted_in_a_row = 0
         self._accepted: dict[TreeShape, float] = {}
+        self._peak: dict[TreeShape, float] = {}  # the highest value each moving average has had
         self._rows: dict[TreeShape, float] = {}  # verified rows per request (the draft stage may add some)
         self._overall: float | None = None
 
@@ -82,6 +88,7 @@ class LoadModel:
         self._rows[shape] = r if prev_rows is None else d * prev_rows + (1 - d) * r
         prev = self._accepted.get(shape)
         self._accepted[shape] = accepted if prev is None else d * prev + (1 - d) * accepted
+        self._peak[shape] = max(self._peak.get(shape, 0.0), self._accepted[shape])
         self._overall = accepted if self._overall is None else d * self._overall + (1 - d) * accepted
 
     def accepted(self, shape: "TreeShape | NoDraft") -> float:
@@ -131,9 +138,27 @@ class LoadModel:
         self.settled = undrafted_rate >= self.settle_margin * best_rate and not self._probe_due(probe, batch_size)
         return NO_DRAFT
 
+    def would_settle(self, batch_size: int, shapes: Iterable[TreeShape]) -> bool:
+        """Whether drafting nothing beats every one of ``shapes`` by ``settle_margin`` at
+        ``batch_size`` (what :meth:`choose` would call settled, probes aside); no state changes.
+        The worker asks it when requests are admitted: their head's prefill is skipped when it is
+        (:meth:`~adaptivespec.sglang.controller.TripletController.skip_prefill_extend`)."""
+        if batch_size <= 1:
+            return False
+        best = max((self.tokens_per_s(s, batch_size) for s in shapes), default=0.0)
+        return self.tokens_per_s(NO_DRAFT, batch_size) >= self.settle_margin * best
+
     def _probe_due(self, probe: TreeShape, batch_size: int) -> bool:
         return (self._undrafted_in_a_row >= self.probe_every
-                and self.probe_share * self._undrafted_ms >= self.step_ms(probe, batch_size))
+                and self.probe_share * self._undrafted_ms >= self.step_ms(probe, batch_size)
+                and self._worth_probing(probe, batch_size))
+
+    def _worth_probing(self, probe: TreeShape, batch_size: int) -> bool:
+        """Whether ``probe`` at its peak acceptance so far (unseen: :meth:`accepted`'s guess) would
+        give more tokens per second than drafting nothing: only then can a probe change the choice."""
+        best = self._peak.get(probe, self.accepted(probe))
+        optimistic = 1e3 * batch_size * (1.0 + best) / self.step_ms(probe, batch_size)
+        return optimistic > self.tokens_per_s(NO_DRAFT, batch_size)
 
 
 def load_model_from_env() -> LoadModel | None:

@@ -26,6 +26,9 @@ name                                                         type       what
                                                                         head's draft-extend was skipped
                                                                         (the load model settled on not
                                                                         drafting)
+``adaptivespec_prefill_draft_extend_skipped_batches_total``  counter    prefill batches admitted while
+                                                                        settled whose head's draft-extend
+                                                                        over the prompt was skipped
 ``adaptivespec_verify_rows_per_step``                        histogram  rows the target verified in one
                                                                         step (batch size x ndt)
 ``adaptivespec_load_choice_draft_tokens{batch_size}``        gauge      ndt the load controller last ran
@@ -81,6 +84,9 @@ class SpecMetrics:
         self.undrafted = Counter(f"{p}_undrafted_steps", "Decode steps run without drafting, by why", ["reason"], registry=reg)
         self.extend_skipped = Counter(f"{p}_draft_extend_skipped_steps",
                                       "Undrafted steps after which the head's draft-extend was skipped", registry=reg)
+        self.prefill_extend_skipped = Counter(f"{p}_prefill_draft_extend_skipped_batches",
+                                              "Prefill batches admitted while settled whose head's draft-extend "
+                                              "over the prompt was skipped", registry=reg)
         self.verify_rows = Histogram(f"{p}_verify_rows_per_step", "Rows the target verified in one step (batch size x ndt)",
                                      buckets=ROW_BUCKETS, registry=reg)
         self.load_choice = Gauge(f"{p}_load_choice_draft_tokens", "Draft tokens (ndt) the load controller last ran at a batch size",
@@ -139,6 +145,10 @@ class SpecMetrics:
         self.undrafted.labels(reason=reason).inc()
         if extend_skipped:
             self.extend_skipped.inc()
+
+    def observe_prefill_extend_skipped(self) -> None:
+        """A prefill batch admitted while settled skipped the head's draft-extend over its prompts."""
+        self.prefill_extend_skipped.inc()
 
     def observe_state(self, *, pending: int, tracked: int) -> None:
         """The controller's per-request state sizes (bounded by the batch: tested by the soak)."""

@@ -102,6 +102,8 @@ class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
 
     adaptivespec_skip_extend = False  # this step's draft-extend is skipped (set per step by the worker)
 
+    adaptivespec_skip_prefill = False  # this prefill's draft-extend is skipped (set per batch by the worker)
+
     def _draft_extend_for_decode(self, batch, batch_result, *args, **kwargs):
         if self.adaptivespec_skip_extend:
             return self._adaptivespec_skipped_extend(batch, batch_result)
@@ -116,17 +118,38 @@ class AdaptiveSpecDraftWorker(ew.EagleDraftWorker):
         request that drafts again later drafts from a colder head (verification keeps the output
         exact; its acceptance may drop), which is why only settled steps skip it."""
         nxt = batch_result.next_draft_input
-        bs, device = batch.seq_lens.shape[0], batch.seq_lens.device
-        k = max(self.topk, self.adaptivespec_topk)
-        nxt.topk_p = torch.zeros((bs, k), dtype=torch.float32, device=device)
-        nxt.topk_index = torch.zeros((bs, k), dtype=torch.int64, device=device)
-        hidden_size, hidden_dtype = ew.get_draft_recurrent_hidden_state_spec(self.draft_runner)
-        if hidden_size is not None:
-            nxt.hidden_states = torch.zeros((bs, hidden_size), dtype=hidden_dtype, device=device)
+        stub = self._adaptivespec_stub(batch.seq_lens.shape[0], batch.seq_lens.device)
+        nxt.topk_p, nxt.topk_index = stub["topk_p"], stub["topk_index"]
+        if stub["hidden_states"] is not None:
+            nxt.hidden_states = stub["hidden_states"]
 
-    def _draft_extend_for_prefill(self, *args, **kwargs):
+    def _adaptivespec_stub(self, bs: int, device) -> dict[str, Any]:
+        """Zeros shaped as a draft-extend's output for ``bs`` requests: the first level at the bank's
+        widest top-k (so that a batch merged with other requests stays consistent) and the head's
+        recurrent hidden state (None where the head has none)."""
+        k = max(self.topk, self.adaptivespec_topk)
+        hidden_size, hidden_dtype = ew.get_draft_recurrent_hidden_state_spec(self.draft_runner)
+        return {
+            "topk_p": torch.zeros((bs, k), dtype=torch.float32, device=device),
+            "topk_index": torch.zeros((bs, k), dtype=torch.int64, device=device),
+            "hidden_states": (torch.zeros((bs, hidden_size), dtype=hidden_dtype, device=device)
+                              if hidden_size is not None else None),
+        }
+
+    def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, *args, **kwargs):
+        if self.adaptivespec_skip_prefill:
+            return self._adaptivespec_skipped_prefill(batch, next_token_ids)
         with _topk_as(self, self.adaptivespec_topk), root_entropy.measuring(self.adaptivespec_entropy):
-            return super()._draft_extend_for_prefill(*args, **kwargs)
+            return super()._draft_extend_for_prefill(batch, target_hidden_states, next_token_ids, *args, **kwargs)
+
+    def _adaptivespec_skipped_prefill(self, batch, next_token_ids):
+        """The draft input of requests admitted while the load model is settled, without running the
+        head over their prompts: the target's first token as the next root, zeros elsewhere (as
+        :meth:`_adaptivespec_skipped_extend`). Such a request drafts, if it ever does, from a head
+        that never saw its prompt: verification keeps its output exact, its acceptance is low, and
+        the load model prices that in from what the probes accept."""
+        return ew.EagleDraftInput(**self._adaptivespec_stub(len(batch.reqs), next_token_ids.device),
+                                  bonus_tokens=next_token_ids, num_tokens_per_req=1, num_tokens_for_logprob_per_req=1)
 
     def _rebuild_topk1_chain_buffers(self):
         # While a topk=1 shape is captured, SGLang's capture context restores the start-up
@@ -326,6 +349,9 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
                                                  entropy=root_entropy.take(len(batch.reqs)))
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_skip_extend = isinstance(shape, NoDraft) and self.adaptivespec.skip_draft_extend
+            self._draft_worker.adaptivespec_skip_prefill = (
+                not decode and not batch.forward_mode.is_idle()
+                and self.adaptivespec.skip_prefill_extend(self._adaptivespec_live_requests()))
         if isinstance(shape, NoDraft):
             if self._adaptivespec_active is not shape:
                 self._adaptivespec_apply(self.adaptivespec_undrafted_state, shape)
@@ -341,6 +367,12 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
             spec.topk_p = spec.topk_p[:, : shape.topk].contiguous()
             spec.topk_index = spec.topk_index[:, : shape.topk].contiguous()
         return super().forward_batch_generation(batch, *args, **kwargs)
+
+    def _adaptivespec_live_requests(self) -> int:
+        """Requests holding a row of the request-to-token pool: the running batch and the ones
+        being admitted (the worker does not see the scheduler's running batch)."""
+        pool = self._target_worker.model_runner.req_to_token_pool
+        return pool.size - pool.available_size()
 
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         stage = self.adaptivespec_stage
