@@ -12,8 +12,9 @@ time), levels in the order given::
 
 A contender is ``sglang`` / ``sglang-eagle3`` / ``sglang-ngram`` (SGLang alone) or a config file
 served through the plugin (``adaptivespec serve``, load-aware by default: ``--load-profile auto``);
-``CONFIG@ROWS`` adds ``--verify-budget ROWS``, ``CONFIG@none`` serves it without a load model and
-``CONFIG@PROFILE.json`` with that cost profile. Before each level's timed pass the same requests run
+``CONFIG@ROWS`` adds ``--verify-budget ROWS``, ``CONFIG@none`` serves it without a load model,
+``CONFIG@PROFILE.json`` with that cost profile and ``CONFIG@settled`` with one under which batched
+steps draft nothing (settled: the head's draft-extend skipped), to record those steps for a fit. Before each level's timed pass the same requests run
 once untimed with ``--warmup-tokens`` new tokens at that concurrency: SGLang's CPU backend compiles
 kernels for each new batch size and prompt length on first use (stalls of 90-200 s were seen).
 ``--data FILE`` takes the prompts from a Spec-Bench-format file (e.g. training prompts written by
@@ -61,6 +62,11 @@ def server_for(contender: str, port: int, logdir: Path):
         trace = logdir / f"{Path(config).stem}{'-' + Path(option).stem if option else ''}.steps.jsonl"
         budget = int(option) if option.isdigit() else None
         profile = option if option and budget is None else None
+        if option == "settled":
+            from adaptivespec.sglang.load_model import write_settled_profile
+
+            profile = str(logdir / "settled-profile.json")
+            write_settled_profile(profile)
         argv, env = served_command(config, port, trace=trace, extra_args=["--max-total-tokens", "32768"],
                                    verify_budget=budget, load_profile=profile)
     name = contender.replace("/", "_")

@@ -310,6 +310,21 @@ def test_requests_admitted_while_settled_skip_the_heads_prefill_unless_the_live_
     assert not TripletController(StubPolicy()).skip_prefill_extend(9)  # no load model
 
 
+def test_the_settled_profile_drafts_nothing_from_two_requests_on(tmp_path):
+    from adaptivespec.sglang.load_model import write_settled_profile
+    from adaptivespec.sglang.shapes import NO_DRAFT
+
+    write_settled_profile(tmp_path / "settled.json")
+    load = LoadModel(CostModel.load(tmp_path / "settled.json"))
+    shapes = (TreeShape(1, 1, 2), WIDE, MID, DEEP)
+    for shape in shapes:
+        load.observe(shape, float(shape.nsteps))  # even accepting every drafted token
+    assert load.choose(DEEP, 1, shapes, undrafted=True) == DEEP
+    assert all(load.would_settle(bs, shapes) for bs in (2, 8, 64))
+    picks = [load.choose(DEEP, 2, shapes, undrafted=True) for _ in range(40)]
+    assert picks == [NO_DRAFT] * 40 and load.settled  # and no probe can change that
+
+
 def test_controller_runs_undrafted_steps_without_feeding_the_policy():
     from adaptivespec.sglang.shapes import NO_DRAFT
 

@@ -54,7 +54,7 @@ def test_sources_undrafted_steps_and_state(metrics):
     m, registry = metrics
     m.observe_step(shape=TreeShape(3, 4, 8), accepted_per_request=[4], accepted_by_source={"head": 1, "retrieval": 3})
     m.observe_undrafted("load")
-    m.observe_undrafted("load", extend_skipped=True)
+    m.observe_undrafted("load", extend_skipped=True, rows=8)
     m.observe_state(pending=1, tracked=8)
     with pytest.raises(ValueError, match="undrafted reason: expected one of load, policy, got 'tired'"):
         m.observe_undrafted("tired")
@@ -63,6 +63,7 @@ def test_sources_undrafted_steps_and_state(metrics):
     assert s['adaptivespec_accepted_tokens_total{source="head"}'] == 1
     assert s['adaptivespec_undrafted_steps_total{reason="load"}'] == 2
     assert s["adaptivespec_draft_extend_skipped_steps_total"] == 1
+    assert s["adaptivespec_verify_rows_per_step_count"] == 2 and s["adaptivespec_verify_rows_per_step_sum"] == 8 + 8
     assert s["adaptivespec_controller_pending_steps"] == 1 and s["adaptivespec_controller_tracked_requests"] == 8
 
 

@@ -262,7 +262,9 @@ def test_metrics_carry_the_speculation_series_after_traffic(served):
     assert steps > 0, sorted(series)[:20]
     assert series["adaptivespec_accepted_tokens_per_step_count"] >= steps  # one observation per request per step
     assert series['adaptivespec_accepted_tokens_total{source="head"}'] > 0
-    assert series["adaptivespec_verify_rows_per_step_count"] == steps
+    # every verify is one observation: the drafted steps and those the load controls ran undrafted
+    undrafted = series['adaptivespec_undrafted_steps_total{reason="load"}']
+    assert series["adaptivespec_verify_rows_per_step_count"] == steps + undrafted
     assert any(k.startswith("adaptivespec_load_choice_draft_tokens{") for k in series)
     assert 'adaptivespec_undrafted_steps_total{reason="load"}' in series
 
@@ -380,15 +382,15 @@ def test_hybrid_serves_json_schema_requests_and_refuses_a_broken_schema(served_h
 # -- settled undrafted steps: the head's draft-extend skipped ------------------------------------
 @pytest.fixture(scope="module")
 def served_settled(served_hybrid, tmp_path_factory):
-    """``adaptivespec serve configs/eagle3.yaml`` with a load profile where every draft level costs
-    20 ms: from 2 requests on, drafting nothing wins by far (settled), so the worker skips the head's
-    draft-extend after those steps. The hybrid server is stopped first (one server at a time)."""
-    from adaptivespec.costmodel import CostModel
+    """``adaptivespec serve configs/eagle3.yaml`` with a load profile where drafting is dear
+    (:func:`~adaptivespec.sglang.load_model.write_settled_profile`): from 2 requests on, drafting
+    nothing wins by far (settled), so the worker skips the head's draft-extend after those steps. The hybrid server is stopped first (one server at a time)."""
+    from adaptivespec.sglang.load_model import write_settled_profile
 
     served_hybrid[0].stop()
     out = tmp_path_factory.mktemp("settled")
     profile = out / "drafting-is-dear.json"
-    CostModel(fixed=5.0, per_draft_level=20.0, per_verified_token=5.0).save(profile)
+    write_settled_profile(profile)
     argv, env = served_command(ROOT / "configs" / "eagle3.yaml", free_port(), trace=out / "steps.jsonl",
                                load_profile=str(profile))
     with SGLangServer(argv, env, out / "served.log") as server:

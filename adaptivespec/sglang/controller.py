@@ -297,8 +297,8 @@ class TripletController:
                             verify_ms=step_ms, other_ms=p.gap_ms or 0.0, signals=p.signals,
                             policy_state={**p.policy_state, "undrafted": "load"})
         if self.metrics is not None:
-            self.metrics.observe_undrafted("load", extend_skipped=p.policy_state.get("draft_extend") == "skipped")
-            self.metrics.verify_rows.observe(len(per_request))
+            self.metrics.observe_undrafted("load", extend_skipped=p.policy_state.get("draft_extend") == "skipped",
+                                           rows=len(per_request))
         return self._publish(record, p)
 
 

@@ -137,14 +137,17 @@ class SpecMetrics:
         for name in names:
             self.accepted.labels(source=name)
 
-    def observe_undrafted(self, reason: str, extend_skipped: bool = False) -> None:
+    def observe_undrafted(self, reason: str, extend_skipped: bool = False, rows: int | None = None) -> None:
         """A step that ran without drafting (``reason``: one of :data:`UNDRAFTED_REASONS`;
-        ``extend_skipped``: the head's draft-extend after it was skipped)."""
+        ``extend_skipped``: the head's draft-extend after it was skipped; ``rows``: the rows it
+        verified, one per request, counted in the verify-rows histogram like a drafted step's)."""
         if reason not in UNDRAFTED_REASONS:
             raise ValueError(f"undrafted reason: expected one of {', '.join(UNDRAFTED_REASONS)}, got {reason!r}")
         self.undrafted.labels(reason=reason).inc()
         if extend_skipped:
             self.extend_skipped.inc()
+        if rows is not None:
+            self.verify_rows.observe(rows)
 
     def observe_prefill_extend_skipped(self) -> None:
         """A prefill batch admitted while settled skipped the head's draft-extend over its prompts."""

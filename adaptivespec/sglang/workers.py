@@ -349,8 +349,8 @@ class AdaptiveSpecWorker(DraftStageSteps, ew.EAGLEWorkerV2):
                                                  entropy=root_entropy.take(len(batch.reqs)))
         if self._draft_worker is not None:
             self._draft_worker.adaptivespec_skip_extend = isinstance(shape, NoDraft) and self.adaptivespec.skip_draft_extend
-            self._draft_worker.adaptivespec_skip_prefill = (
-                not decode and not batch.forward_mode.is_idle()
+            self._draft_worker.adaptivespec_skip_prefill = (  # the flag first: the pool is read only then
+                not decode and self.adaptivespec.skip_draft_extend
                 and self.adaptivespec.skip_prefill_extend(self._adaptivespec_live_requests()))
         if isinstance(shape, NoDraft):
             if self._adaptivespec_active is not shape:
