@@ -14,9 +14,10 @@ A contender is ``sglang`` / ``sglang-eagle3`` / ``sglang-ngram`` (SGLang alone) 
 served through the plugin (``adaptivespec serve``, load-aware by default: ``--load-profile auto``);
 ``CONFIG@ROWS`` adds ``--verify-budget ROWS``, ``CONFIG@none`` serves it without a load model,
 ``CONFIG@PROFILE.json`` with that cost profile and ``CONFIG@settled`` with one under which batched
-steps draft nothing (settled: the head's draft-extend skipped), to record those steps for a fit. Before each level's timed pass the same requests run
-once untimed with ``--warmup-tokens`` new tokens at that concurrency: SGLang's CPU backend compiles
-kernels for each new batch size and prompt length on first use (stalls of 90-200 s were seen).
+steps draft nothing (settled: the head's draft-extend skipped), to record those steps for a fit.
+Before each level's timed pass the same requests run once untimed with ``--warmup-tokens`` new
+tokens at that concurrency: SGLang's CPU backend compiles kernels for each new batch size and prompt
+length on first use (stalls of 90-200 s were seen).
 ``--data FILE`` takes the prompts from a Spec-Bench-format file (e.g. training prompts written by
 ``python -m adaptivespec.analysis.retrieval_tuning_set``, to fit a served cost profile with
 ``python -m adaptivespec.analysis.served_cost``). Writes ``OUT/load.json`` (every request's tokens and latency, the plugin's

@@ -163,8 +163,9 @@ class LoadModel:
 
 def write_settled_profile(path: "str | os.PathLike[str]") -> None:
     """Write a cost profile under which drafting nothing wins by far from 2 requests on, even if every
-    drafted token were accepted (a draft level costs 20 ms, a drafted node 5 ms): a server run with it spends its batched steps undrafted and settled (the
-    head's draft-extend skipped), as a loaded server does. ``scripts/sglang_load.py CONFIG@settled``
+    drafted token were accepted (a draft level costs 20 ms, a drafted node 5 ms): a server run with
+    it spends its batched steps undrafted and settled (the head's draft-extend skipped), as a loaded
+    server does. ``scripts/sglang_load.py CONFIG@settled``
     uses it to record those steps for :mod:`adaptivespec.analysis.served_cost`; a fit needs them
     besides the drafted ones (``CONFIG@none``), or it prices the undrafted step by extrapolation."""
     CostModel(fixed=5.0, per_draft_level=20.0, per_draft_node=5.0, per_verified_token=5.0).save(path)
