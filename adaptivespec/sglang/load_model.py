@@ -106,8 +106,11 @@ class LoadModel:
         return self.cost.step_ms(verified=batch_size * self.rows(shape), levels=shape.nsteps,
                                  nodes=batch_size * shape.nsteps * shape.topk, context=0.0)
 
-    def tokens_per_s(self, shape: "TreeShape | NoDraft", batch_size: int) -> float:
-        return 1e3 * batch_size * (1.0 + self.accepted(shape)) / self.step_ms(shape, batch_size)
+    def tokens_per_s(self, shape: "TreeShape | NoDraft", batch_size: int, accepted: float | None = None) -> float:
+        """Expected tokens per second of ``shape`` at ``batch_size``, accepting ``accepted`` drafted
+        tokens per request (default: :meth:`accepted`)."""
+        accepted = self.accepted(shape) if accepted is None else accepted
+        return 1e3 * batch_size * (1.0 + accepted) / self.step_ms(shape, batch_size)
 
     def choose(self, shape: TreeShape, batch_size: int, shapes: Iterable[TreeShape],
                undrafted: bool = False) -> "TreeShape | NoDraft":
@@ -156,8 +159,7 @@ class LoadModel:
     def _worth_probing(self, probe: TreeShape, batch_size: int) -> bool:
         """Whether ``probe`` at its peak acceptance so far (unseen: :meth:`accepted`'s guess) would
         give more tokens per second than drafting nothing: only then can a probe change the choice."""
-        best = self._peak.get(probe, self.accepted(probe))
-        optimistic = 1e3 * batch_size * (1.0 + best) / self.step_ms(probe, batch_size)
+        optimistic = self.tokens_per_s(probe, batch_size, accepted=self._peak.get(probe))
         return optimistic > self.tokens_per_s(NO_DRAFT, batch_size)
 
 
@@ -165,9 +167,9 @@ def write_settled_profile(path: "str | os.PathLike[str]") -> None:
     """Write a cost profile under which drafting nothing wins by far from 2 requests on, even if every
     drafted token were accepted (a draft level costs 20 ms, a drafted node 5 ms): a server run with
     it spends its batched steps undrafted and settled (the head's draft-extend skipped), as a loaded
-    server does. ``scripts/sglang_load.py CONFIG@settled``
-    uses it to record those steps for :mod:`adaptivespec.analysis.served_cost`; a fit needs them
-    besides the drafted ones (``CONFIG@none``), or it prices the undrafted step by extrapolation."""
+    server does. ``scripts/sglang_load.py CONFIG@settled`` uses it to record those steps for
+    :mod:`adaptivespec.analysis.served_cost`; a fit needs them besides the drafted ones
+    (``CONFIG@none``), or it prices the undrafted step by extrapolation."""
     CostModel(fixed=5.0, per_draft_level=20.0, per_draft_node=5.0, per_verified_token=5.0).save(path)
 
 

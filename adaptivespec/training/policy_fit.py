@@ -23,7 +23,6 @@ Times come from the calibrated cost model (``adaptivespec calibrate``), as the p
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Callable
 
 import numpy as np
