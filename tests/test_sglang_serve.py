@@ -136,7 +136,7 @@ def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(platform.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     monkeypatch.setattr(serve.os, "execvpe", lambda *a: pytest.fail("must not exec"))
-    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
+    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--runtime", "sglang"])
     with pytest.raises(AdaptiveSpecError) as err:
         serve.run_serve(args)
     assert str(err.value) == (f"sglang is not installed; install it on a CUDA machine with: "
@@ -148,7 +148,7 @@ def test_serve_checks_the_api_then_execs(config, monkeypatch):
     monkeypatch.setattr(platform.importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.setattr(platform, "installed_version", lambda: SGLANG_VERSION)
     monkeypatch.setattr(platform, "check_api", lambda: ["x.y: not found"])
-    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER])
+    args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--runtime", "sglang"])
     with pytest.raises(AdaptiveSpecError, match="lacks what the plugin .* needs: x.y: not found"):
         serve.run_serve(args)
     calls = []

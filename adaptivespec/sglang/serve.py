@@ -10,6 +10,10 @@ and points the SGLang plugin at the config through ``ADAPTIVESPEC_CONFIG``::
 With the embedded pair (``model.target: smollm2-135m-instruct``, ``model.drafter: embedded``) no
 flag is needed: SGLang gets the converted safetensors folder in the adaptivespec cache and the
 shipped head folder.
+
+``--runtime torch`` serves the config on adaptivespec's own engine instead (one generation at a
+time; :mod:`adaptivespec.server`); ``auto``, the default, picks SGLang where it can serve here
+(:mod:`adaptivespec.server.launch`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from adaptivespec.drafter import resolve_drafter_path
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.models import EMBEDDED, embedded_folder
 from adaptivespec.plugins import get_plugin_host
+from adaptivespec.server.launch import add_runtime_arguments, choose_runtime, first_line
 from adaptivespec.sglang import CONFIG_ENV, LOAD_PROFILE_ENV, METRICS_ENV, PLUGIN_NAME, TRACE_ENV, VERIFY_BUDGET_ENV
 from adaptivespec.sglang.controller import build_strategies, step_level_notice
 from adaptivespec.sglang.platform import cpu_args, cpu_env, detect_device, preflight
@@ -284,8 +289,9 @@ def serve(args: argparse.Namespace) -> None:
 
 # -- CLI ------------------------------------------------------------------------------------------
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="run SGLang's server with the config's tree policy and verifier "
-                                            "(CUDA, or a CPU with AMX)")
+    p = subparsers.add_parser("serve", help="serve the config over OpenAI-compatible HTTP: SGLang's server with the "
+                                            "config's tree policy and verifier (CUDA, or a CPU with AMX), or "
+                                            "adaptivespec's torch engine (--runtime torch)")
     p.add_argument("--config", required=True, help="YAML config (its policy and verifier are served)")
     p.add_argument("--target", help="target model folder or Hugging Face id (default: the config's model.target)")
     p.add_argument("--drafter", help="EAGLE-3 drafter folder or Hugging Face id (default: the config's model.drafter)")
@@ -306,6 +312,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-metrics", action="store_true",
                    help="no /metrics: leave out SGLang's --enable-metrics (on by default) and the adaptivespec_* series")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
+    add_runtime_arguments(p)
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
     p.set_defaults(func=run_serve)
@@ -322,9 +329,15 @@ def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     if args.sglang_args and args.sglang_args[0] == "--":
         args.sglang_args = args.sglang_args[1:]
+    runtime, why = choose_runtime(args)
+    if runtime == "torch":
+        from adaptivespec.server.launch import run_torch
+
+        return run_torch(args, why)
     if args.print_command:
         argv, env = command_and_env(args, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"})
         print(format_command(argv, env))
         return 0
+    print(first_line("sglang", why, args.host, args.port), file=sys.stderr, flush=True)
     serve(args)
     return 0

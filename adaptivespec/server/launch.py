@@ -1,0 +1,126 @@
+"""``adaptivespec serve``'s choice of runtime, and the torch runtime's start-up.
+
+``--runtime sglang`` execs SGLang's server with the plugin (:mod:`adaptivespec.sglang.serve`);
+``--runtime torch`` runs this package's server in this process: the config's
+:class:`~adaptivespec.decode.Engine` (``structured=True``: any request may bring a response format),
+one worker thread, uvicorn on the asked host and port. ``auto`` (the default) picks SGLang where it
+can serve here (:func:`adaptivespec.sglang.platform.sglang_unavailable_reason` says None), else
+torch; flags only one runtime has pick that one. The first line ``serve`` prints says which it
+started and why::
+
+    adaptivespec serve: runtime torch (sglang not installed) on http://127.0.0.1:30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from adaptivespec.errors import AdaptiveSpecError
+
+RUNTIMES = ("auto", "sglang", "torch")
+DEFAULT_QUEUE_SIZE = 16
+SGLANG_ONLY = {"overlap": "--overlap", "trace": "--trace", "verify_budget": "--verify-budget",
+               "load_profile": "--load-profile", "print_command": "--print-command", "sglang_args": "-- SGLANG_ARGS"}
+"""``serve`` flags (argparse dest: flag) that only SGLang's server has."""
+TORCH_ONLY = {"queue_size": "--queue-size", "overrides": "--set"}
+"""``serve`` flags that only the torch runtime has."""
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    """``serve``'s ``--runtime`` and the torch runtime's flags."""
+    from adaptivespec.cli import positive_int
+
+    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                   help="sglang: SGLang's server with the plugin (batching; CUDA, or a CPU with AMX); torch: "
+                        "adaptivespec's own engine behind an OpenAI-compatible server, one generation at a time; "
+                        "auto (default): sglang where it can serve here, else torch")
+    p.add_argument("--queue-size", type=positive_int, metavar="N",
+                   help=f"torch runtime: requests that may wait behind the running one (FIFO); more get a 503 with "
+                        f"Retry-After (default {DEFAULT_QUEUE_SIZE})")
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
+                   help="torch runtime: override a config key, e.g. --set runtime.dtype=float32 (repeatable)")
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    value = getattr(args, dest, None)
+    return bool(value) if isinstance(value, (bool, list)) else value is not None
+
+
+def choose_runtime(args: argparse.Namespace) -> tuple[str, str]:
+    """(runtime, why) for ``serve``'s arguments; a flag of the other runtime is a one-line error."""
+    sglang_flags = [flag for dest, flag in SGLANG_ONLY.items() if _given(args, dest)]
+    torch_flags = [flag for dest, flag in TORCH_ONLY.items() if _given(args, dest)]
+    runtime = getattr(args, "runtime", "auto") or "auto"
+    if runtime == "auto":
+        if sglang_flags and not torch_flags:
+            return "sglang", f"{sglang_flags[0]} is SGLang's"
+        if torch_flags and not sglang_flags:
+            return "torch", f"{torch_flags[0]} is the torch runtime's"
+        reason = sglang_reason()
+        runtime, why = ("torch", reason.rstrip(".")) if reason else ("sglang", "sglang can serve here")
+    else:
+        why = f"--runtime {runtime}"
+    wrong = torch_flags if runtime == "sglang" else sglang_flags
+    if wrong:
+        other = "torch" if runtime == "sglang" else "sglang"
+        raise AdaptiveSpecError(f"{wrong[0]}: only with --runtime {other} (serving with the {runtime} runtime: {why}); "
+                                "drop the flag or pass --runtime " + other)
+    return runtime, why
+
+
+def sglang_reason() -> str | None:
+    """Why SGLang cannot serve here (None: it can)."""
+    from adaptivespec.sglang.platform import sglang_unavailable_reason
+
+    return sglang_unavailable_reason(None)
+
+
+def first_line(runtime: str, why: str, host: str, port: int) -> str:
+    return f"adaptivespec serve: runtime {runtime} ({why}) on http://{host}:{port}"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise AdaptiveSpecError(f"--port: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_torch(args: argparse.Namespace, why: str) -> int:
+    """Serve the config on the torch runtime until interrupted."""
+    import uvicorn
+
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+    from adaptivespec.server.app import Service, build_app
+    from adaptivespec.server.metrics import ServerMetrics
+    from adaptivespec.server.worker import Worker
+
+    overrides = list(args.overrides or [])
+    if args.target:
+        overrides.append(f"model.target={args.target}")
+    if args.drafter:
+        overrides.append(f"model.drafter={args.drafter}")
+    config = load_config(args.config, overrides)
+    sock = _bind(args.host, args.port)
+    print(first_line("torch", why, args.host, args.port), file=sys.stderr, flush=True)
+    engine = Engine(config, structured=True)
+    engine.generate_ids(engine.encode("Hello"), max_new_tokens=4)  # untimed warm-up: first-call allocations
+    metrics = ServerMetrics(tuple(s.name for s in config.sources) + (("head",) if config.model.drafter else ()))
+    worker = Worker(engine, args.queue_size or DEFAULT_QUEUE_SIZE, metrics)
+    service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem)
+    app = build_app(service, metrics=not getattr(args, "no_metrics", False))
+    print(f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
+          f"{'' if engine.lossless else ', lossy'}), one generation at a time, {worker.queue_size} may wait",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
+    return 0

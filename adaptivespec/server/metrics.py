@@ -1,0 +1,70 @@
+"""The torch server's ``/metrics``: the SGLang path's ``adaptivespec_*`` speculation series
+(:class:`adaptivespec.sglang.metrics.SpecMetrics`, the same names and definitions, fed from the
+engine's step records) and the server's own ``adaptivespec_server_*`` series.
+
+Of the shared series, those of SGLang's load controller (``load_choice_draft_tokens``,
+``load_capped_steps_total``, ``controller_*``) have nothing to measure with one generation at a
+time: ``load_choice_draft_tokens{batch_size="1"}`` shows the last step's ndt, the others stay at
+zero. Server series:
+
+=================================================  =========  =============================================
+name                                               type       what
+=================================================  =========  =============================================
+``adaptivespec_server_queue_seconds``              histogram  time a request waited in the FIFO queue
+``adaptivespec_server_queue_depth``                gauge      requests waiting (the running one not counted)
+``adaptivespec_server_requests_total{outcome}``    counter    requests by outcome: ``completed``,
+                                                              ``cancelled`` (client gone), ``rejected``
+                                                              (queue full: 503), ``bad`` (4xx), ``failed``
+``adaptivespec_server_generation_seconds``         histogram  wall time of a generation (prefill included)
+``adaptivespec_server_first_token_seconds``        histogram  generation start to the first token
+``adaptivespec_server_prompt_tokens_total``        counter    prompt tokens prefilled
+``adaptivespec_server_generated_tokens_total``     counter    tokens generated
+=================================================  =========  =============================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from adaptivespec.sglang.metrics import PREFIX, SpecMetrics
+from adaptivespec.types import StepRecord
+
+OUTCOMES = ("completed", "cancelled", "rejected", "bad", "failed")
+SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics`` (one per server; tests make their own)."""
+
+    def __init__(self, sources: tuple[str, ...] = ()) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.spec = SpecMetrics(reg)
+        self.spec.declare_sources(sources)
+        p = f"{PREFIX}_server"
+        self.queue_seconds = Histogram(f"{p}_queue_seconds", "Time a request waited in the FIFO queue",
+                                       buckets=SECONDS_BUCKETS, registry=reg)
+        self.queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting in the queue (the running one not counted)",
+                                 registry=reg)
+        self.requests = Counter(f"{p}_requests", "Requests by outcome", ["outcome"], registry=reg)
+        self.generation_seconds = Histogram(f"{p}_generation_seconds", "Wall time of a generation (prefill included)",
+                                            buckets=SECONDS_BUCKETS, registry=reg)
+        self.first_token_seconds = Histogram(f"{p}_first_token_seconds", "Generation start to the first token",
+                                             buckets=SECONDS_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens prefilled", registry=reg)
+        self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens generated", registry=reg)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+
+    def observe_step(self, record: StepRecord) -> None:
+        """One speculative step of the engine (called from the worker thread)."""
+        if record.tree_size <= 1 or record.shape is None:  # nothing drafted: the policy's (or the sources') choice
+            self.spec.observe_undrafted("policy", rows=1)
+            return
+        self.spec.observe_step(shape=record.shape, accepted_per_request=[record.accepted],
+                               accepted_by_source=record.accepted_by_source, verify_width=record.tree_size)
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""One generation at a time: the engine in one worker thread, a bounded FIFO queue in front of it,
+and cancellation at the next step.
+
+The HTTP side (:mod:`adaptivespec.server.app`) never runs a forward: it puts a :class:`Job` in the
+queue (:meth:`Worker.submit`, refused with :class:`QueueFull` when ``queue_size`` jobs already wait:
+the client gets a 503 with ``Retry-After``) and reads the job's events from an ``asyncio.Queue``.
+The worker thread takes jobs in arrival order and runs ``Engine.generate_ids``, whose ``on_tokens``
+callback, called once per step, posts the step's new ids to the event loop
+(``loop.call_soon_threadsafe``) and raises :class:`Cancelled` once the job is cancelled (the client
+went away, or a stop string was found): the generation ends at the next step, and a job cancelled
+while it waits is dropped when its turn comes. The next generation starts from its own prefill
+(caches, policy and grammar state are reset by ``generate_ids``), so an abandoned one leaves nothing
+behind.
+
+Events, in order: ``("tokens", [ids])`` per step, then one of ``("done", Finished)``,
+``("cancelled", Finished)`` or ``("error", message)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from adaptivespec.sampling import Sampler
+from adaptivespec.server.metrics import ServerMetrics
+from adaptivespec.server.schema import Sampling
+
+
+class Cancelled(Exception):
+    """Raised from ``on_tokens`` to end a cancelled generation at its next step."""
+
+
+class QueueFull(Exception):
+    """The queue holds ``queue_size`` waiting jobs; ``retry_after``: seconds to suggest."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+@attrs.frozen(kw_only=True)
+class Finished:
+    """What a generation ended with (a cancelled one: up to its last step)."""
+
+    token_ids: list[int]
+    stats: dict[str, Any]
+    """``GenerationResult.stats`` (partial for a cancelled job) plus ``queue_seconds``."""
+    grammar_ended: bool = False
+    """The response format's grammar reached its end (a ``stop``, not a ``length``, finish)."""
+
+
+@attrs.define(eq=False, kw_only=True)
+class Job:
+    """One request's generation: what to generate, and where its events go."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling | None = None
+    seed: int = 0
+    response_format: Any = None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = attrs.Factory(asyncio.Queue)
+    cancelled: threading.Event = attrs.Factory(threading.Event)
+    enqueued: float = attrs.Factory(time.perf_counter)
+    started: float | None = None
+    # running totals, kept by the worker (a cancelled job's stats come from them)
+    tokens: list[int] = attrs.Factory(list)
+    steps: int = 0
+    promoted: int = 0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def post(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+class Worker:
+    """The generation thread and its queue (``queue_size``: jobs that may wait behind the running one)."""
+
+    def __init__(self, engine, queue_size: int, metrics: ServerMetrics | None = None) -> None:
+        self.engine, self.queue_size = engine, queue_size
+        self.metrics = metrics or ServerMetrics()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._stopping = False
+        self._mean_seconds = 1.0  # running mean of a generation's wall time, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="adaptivespec-generation", daemon=True)
+
+    # -- the HTTP side ----------------------------------------------------------------------------
+    def start(self) -> "Worker":
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (FIFO), or raise :class:`QueueFull`."""
+        with self._cond:
+            if self._stopping or len(self._waiting) >= self.queue_size:
+                ahead = len(self._waiting) + (self._running is not None)
+                raise QueueFull(max(1, math.ceil(self._mean_seconds * ahead)))
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._cond.notify()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (the running one not counted)."""
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel every job and end the thread."""
+        with self._cond:
+            self._stopping = True
+            for job in [*self._waiting, *([self._running] if self._running else [])]:
+                job.cancel()
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the worker thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    for job in self._waiting:
+                        job.post("error", "the server is shutting down")
+                    self._waiting.clear()
+                    return
+                job = self._waiting.popleft()
+                self.metrics.queue_depth.set(len(self._waiting))
+                self._running = job
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        waited = job.started - job.enqueued
+        self.metrics.queue_seconds.observe(waited)
+        if job.cancelled.is_set():  # the client left while it waited
+            self.metrics.outcome("cancelled")
+            job.post("cancelled", self._partial(job, waited))
+            return
+        engine = self.engine
+        s = job.sampling
+        sampler = None if s is None else Sampler(s.temperature, s.top_k, s.top_p, s.min_p, engine.runtime.device, job.seed)
+        engine.sampler = engine.runtime.sampler = engine.verifier.sampler = sampler
+
+        def on_tokens(ids: list[int]) -> None:
+            if not job.tokens:
+                self.metrics.first_token_seconds.observe(time.perf_counter() - job.started)
+            job.tokens.extend(ids)
+            job.post("tokens", list(ids))
+            if job.cancelled.is_set():
+                raise Cancelled
+
+        def on_step(record) -> None:
+            job.steps += 1
+            job.promoted += record.promoted
+            self.metrics.observe_step(record)
+
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        try:
+            result = engine.generate_ids(job.prompt_ids, max_new_tokens=job.max_tokens, on_tokens=on_tokens,
+                                         on_step=on_step, seed=job.seed, response_format=job.response_format)
+        except Cancelled:
+            self.metrics.outcome("cancelled")
+            self.metrics.generated_tokens.inc(len(job.tokens))
+            job.post("cancelled", self._partial(job, waited))
+            return
+        except Exception as exc:  # a bug, not a bad request: the request gets a 500, the server goes on
+            self.metrics.outcome("failed")
+            job.post("error", f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        wall = result.stats["wall_seconds"]
+        self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * wall
+        self.metrics.generation_seconds.observe(wall)
+        self.metrics.generated_tokens.inc(len(result.token_ids))
+        self.metrics.outcome("completed")
+        ended = engine.constraint is not None and engine.constraint.terminated
+        job.post("done", Finished(token_ids=result.token_ids, stats={**result.stats, "queue_seconds": waited},
+                                  grammar_ended=ended))
+
+    def _partial(self, job: Job, waited: float) -> Finished:
+        wall = time.perf_counter() - job.started
+        forwards = (1 + job.steps) if job.steps else len(job.tokens)
+        stats = {"new_tokens": len(job.tokens), "target_forwards": forwards,
+                 "accept_length_mean": len(job.tokens) / forwards if forwards else 0.0, "wall_seconds": wall,
+                 "promoted_tokens": job.promoted, "queue_seconds": waited}
+        return Finished(token_ids=list(job.tokens), stats=stats)
