@@ -355,3 +355,29 @@ def test_structured_output_and_bad_input_then_serving_goes_on(hybrid32):
     assert client.get("/v1/models").json()["data"][0]["id"] == "hybrid"
     metrics = client.get("/metrics").text
     assert 'adaptivespec_steps_total{shape="3,4,8"}' in metrics and "adaptivespec_accepted_tokens_per_step_bucket" in metrics
+
+
+# -- the bench's served contender and the soak's runtime ---------------------------------------------
+def test_the_bench_reads_a_served_stream_into_stats(scripted):
+    from adaptivespec.evaluation.served_contenders import TorchServedContender
+
+    _, _, port = scripted
+    contender = object.__new__(TorchServedContender)
+    contender.name, contender.config, contender.port = "hybrid-served", load_config(HYBRID), port
+    contender.server = types.SimpleNamespace(pause=lambda: None, resume=lambda: None)
+    result = contender.generate_ids([1, 2], max_new_tokens=5)
+    assert result.text == "abcde" and result.stats["new_tokens"] == 5 and result.stats["target_forwards"] == 5
+    assert 0 < result.stats["prefill_seconds"] <= result.stats["wall_seconds"]
+
+
+def test_bench_and_soak_take_the_torch_runtime(tmp_path, capsys):
+    from adaptivespec.cli import build_parser, main
+
+    args = build_parser().parse_args(["bench", "--configs", str(HYBRID), "--served-configs", str(HYBRID),
+                                      "--dataset", "specbench"])
+    assert args.served_configs == [str(HYBRID)]
+    argv = launch.torch_command(HYBRID, 31001, queue_size=8)
+    assert argv[1:] == ["-m", "adaptivespec.cli", "serve", "--runtime", "torch", "--config", str(HYBRID), "--host",
+                        "127.0.0.1", "--port", "31001", "--queue-size", "8"]
+    assert main(["soak", "--config", str(HYBRID), "--runtime", "torch", "--out", str(tmp_path), "--", "--x", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "adaptivespec: error: --x: SGLang's arguments only with --runtime sglang"

@@ -65,6 +65,7 @@ from adaptivespec.evaluation.peers import HfPeer
 from adaptivespec.evaluation.records import RunRecord
 from adaptivespec.evaluation.report import summarize, write_outputs
 from adaptivespec.evaluation.rundir import RECORDS, open_run_dir, read_records, settings_of
+from adaptivespec.evaluation.served_contenders import TorchServedContender
 from adaptivespec.evaluation.sglang_contenders import MAY_BE_UNSUPPORTED, SGLANG_PEERS, SGLangContender, served_config_file
 from adaptivespec.evaluation.spec import WARMUP_TOKENS, BenchSpec
 
@@ -133,7 +134,10 @@ def build_contenders(spec: BenchSpec, names: set[str], structured: bool = False,
     try:
         for entry in spec.entries:
             if entry.name in names:
-                if spec.backend == "sglang":
+                if entry.served:
+                    out[entry.name] = TorchServedContender(entry.name, entry.config,
+                                                           served_config_file(entry.config, entry.name))
+                elif spec.backend == "sglang":
                     out[entry.name] = SGLangContender(entry.name, entry.config,
                                                       config_path=served_config_file(entry.config, entry.name))
                 else:

@@ -44,6 +44,10 @@ def add_bench_parser(sub) -> None:
     _add_common(p)
     p.add_argument("--peers", metavar="NAMES", help="comma-separated baselines run alongside: hf-generate, "
                    "hf-prompt-lookup (transformers); sglang, sglang-eagle3, sglang-ngram, sglang-adaptive (SGLang servers; sglang-adaptive is reported as not supported where it cannot start)")
+    p.add_argument("--served-configs", nargs="+", default=[], metavar="FILE",
+                   help="configs also run over HTTP, each served by `adaptivespec serve --runtime torch` (one server "
+                        "per config, started and stopped by the bench), named <stem>-served: beside --configs on the "
+                        "engine they measure what HTTP and streaming cost")
     p.add_argument("--backend", choices=("torch", "sglang"), default="torch",
                    help="run the configs on adaptivespec's torch engine (default) or served by SGLang with the "
                         "plugin (adaptivespec serve; one server per config, started and stopped by the bench)")
@@ -112,6 +116,8 @@ def run_bench_command(args) -> int:
 
     problems, max_new, overrides = _problems(args)
     entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
+    entries += tuple(Entry(name=Path(c).stem + "-served", config=load_bench_config(c, overrides), served=True)
+                     for c in getattr(args, "served_configs", None) or [])
     spec = BenchSpec(entries=entries, peers=parse_peers(args.peers), dataset=args.dataset, data=args.data,
                      limit=args.limit, max_new_tokens=max_new, extra=_selection(args),
                      backend=getattr(args, "backend", "torch"))

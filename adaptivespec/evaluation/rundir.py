@@ -30,6 +30,7 @@ def settings_of(spec: BenchSpec, problems: list[Problem]) -> dict[str, Any]:
         "configs": {e.name: e.config.to_dict() for e in spec.entries},
         "peers": list(spec.peers),
         **({"backend": spec.backend} if spec.backend != "torch" else {}),
+        **({"served": [e.name for e in spec.entries if e.served]} if any(e.served for e in spec.entries) else {}),
         "reference": spec.reference,
         "problems": [p.id for p in problems],
     }, default=str))

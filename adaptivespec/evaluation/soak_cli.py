@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +18,7 @@ from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.datasets import load_dataset
 from adaptivespec.evaluation.soak import Outcome, RssSampler, kind_of, request_body, send
 from adaptivespec.evaluation.soak_report import SoakReport, figure, metrics_figure
+from adaptivespec.server.launch import DEFAULT_QUEUE_SIZE, torch_command
 from adaptivespec.sglang import serve
 from adaptivespec.sglang.metrics import parse_metrics
 from adaptivespec.sglang.server import SGLangServer, free_port, served_command
@@ -55,6 +57,9 @@ def add_soak_parser(sub) -> argparse.ArgumentParser:
                    help="seconds without an answer after which a request counts as a hang (default 180)")
     p.add_argument("--out", default="runs/soak", help="folder for soak.json, soak-rss.png and server.log (default runs/soak)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--runtime", choices=("sglang", "torch"), default="sglang",
+                   help="serve the config with SGLang (default) or with `adaptivespec serve --runtime torch` (one "
+                        "generation at a time; its queue is sized to --concurrency, at least its default)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
     p.set_defaults(func=run_soak_command)
@@ -125,14 +130,21 @@ def run_soak_command(args: argparse.Namespace) -> int:
     extra = [a for a in (args.sglang_args or []) if a != "--"]
     if not Path(args.config).is_file():
         raise AdaptiveSpecError(f"--config: {args.config}: config file not found")
-    serve.preflight()
+    runtime = getattr(args, "runtime", "sglang")
+    if runtime == "torch" and extra:
+        raise AdaptiveSpecError(f"{extra[0]}: SGLang's arguments only with --runtime sglang")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv, env = served_command(args.config, port, extra_args=extra)
-    target, _ = serve._model_paths(args.config, None, None)
+    if runtime == "torch":
+        argv = torch_command(args.config, port, queue_size=max(DEFAULT_QUEUE_SIZE, args.concurrency))
+        env = dict(os.environ)
+    else:
+        serve.preflight()
+        argv, env = served_command(args.config, port, extra_args=extra)
+    target = serve._target_path(args.config, None)
     prompts, schemas = _inputs()
-    print(f"soak: serving {args.config} on 127.0.0.1:{port} (log {out / 'server.log'})", flush=True)
+    print(f"soak: serving {args.config} ({runtime} runtime) on 127.0.0.1:{port} (log {out / 'server.log'})", flush=True)
     with SGLangServer(argv, env, out / "server.log", timeout=600) as server:
         report = run_soak(port, server.proc.pid, config=args.config, requests=args.requests,
                           concurrency=args.concurrency, max_seconds=args.max_seconds, max_tokens=args.max_tokens,

@@ -32,6 +32,8 @@ class Entry:
     """The config as loaded, the run's ``--set`` overrides applied."""
     sweep: dict[str, Any] | None = None
     """The swept parameter values of this point, for sweeps."""
+    served: bool = False
+    """Run over HTTP by ``adaptivespec serve --runtime torch`` (``bench --served-configs``), not in process."""
 
 
 @attrs.frozen(kw_only=True)

@@ -124,3 +124,15 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
+
+
+def torch_command(config: str | Path, port: int, *, host: str = "127.0.0.1", queue_size: int | None = None,
+                  overrides: tuple[str, ...] = ()) -> list[str]:
+    """argv of ``adaptivespec serve --runtime torch`` for ``config`` (the bench's and the soak's)."""
+    argv = [sys.executable, "-m", "adaptivespec.cli", "serve", "--runtime", "torch", "--config", str(config),
+            "--host", host, "--port", str(port)]
+    if queue_size is not None:
+        argv += ["--queue-size", str(queue_size)]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv

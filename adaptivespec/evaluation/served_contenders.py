@@ -1,0 +1,128 @@
+"""A config served over HTTP by ``adaptivespec serve --runtime torch`` in ``adaptivespec bench``
+(``--served-configs FILE...``: each runs as ``<stem>-served`` beside the configs on the engine
+and the SGLang peers, so one run measures what HTTP and streaming cost).
+
+Each contender owns one local server (started when the bench builds its contenders, stopped when
+the run ends) and paused (SIGSTOP) between its own generations, as the SGLang contenders are: an
+idle process's OpenMP threads would otherwise spin beside the contender being measured. Requests go to ``POST /v1/completions`` as the bench's own prompt token ids (so
+every contender decodes the very same prompt), streamed (``"stream": true``) as a chat client
+would read them. Stats: ``wall_seconds`` is the client's round trip, ``prefill_seconds`` the time
+to the first streamed text, ``target_forwards`` and ``promoted_tokens`` the server's
+``speculation`` on the last chunk; no per-step records.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from transformers import AutoTokenizer
+
+from adaptivespec.config import Config
+from adaptivespec.constraints import openai_response_format, sglang_sampling_params
+from adaptivespec.decode import GenerationResult
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.evaluation.contenders import generate_untimed, warmup_problems
+from adaptivespec.evaluation.datasets import Problem
+from adaptivespec.evaluation.spec import config_lossless, sampling_seed
+from adaptivespec.models import EMBEDDED, embedded_folder, encode_prompt
+from adaptivespec.server.launch import torch_command
+
+SERVED_SUFFIX = "-served"
+
+
+class TorchServedContender:
+    """One ``serve --runtime torch`` server in a bench run; a
+    :class:`~adaptivespec.evaluation.contenders.Contender`."""
+
+    kind = "config"
+
+    def __init__(self, name: str, config: Config, config_path: str) -> None:
+        from adaptivespec.sglang.server import SGLangServer, free_port
+
+        self.name, self.config = name, config
+        self.lossless = config_lossless(config)
+        self._tokenizer = None
+        self.port = free_port()
+        log = Path(tempfile.mkdtemp(prefix=f"adaptivespec-served-{name}-")) / "server.log"
+        self.server = SGLangServer(torch_command(config_path, self.port), dict(os.environ), log, timeout=600)
+        self.server.start()
+        self.server.pause()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            target = self.config.model.target
+            self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
+
+    def seed_for(self, index: int) -> int | None:
+        return sampling_seed(self.config, index)
+
+    def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
+        generate_untimed(self, warmup_problems(problems), max_new_tokens)
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def generate_ids(self, prompt_ids: list[int], *, max_new_tokens: int, on_step=None, seed: int | None = None,
+                     response_format=None) -> GenerationResult:
+        g = self.config.generation
+        body: dict[str, Any] = {"prompt": list(prompt_ids), "max_tokens": max_new_tokens, "stream": True,
+                                "temperature": g.temperature}
+        if g.temperature > 0:
+            body.update(top_p=g.top_p, top_k=g.top_k or -1, min_p=g.min_p or 0.0, seed=g.seed if seed is None else seed)
+        fmt = response_format if response_format is not None else g.response_format
+        if fmt is not None:
+            if fmt.type in ("json_schema", "json_object"):
+                body["response_format"] = openai_response_format(fmt)
+            else:
+                body.update(sglang_sampling_params(fmt))
+        self.server.resume()
+        try:
+            text, last, first, wall = self._stream(body)
+        finally:
+            self.server.pause()
+        spec, usage = last.get("speculation", {}), last.get("usage", {})
+        new = int(usage.get("completion_tokens", 0))
+        stats = {"new_tokens": new, "target_forwards": spec.get("target_forwards") or new,
+                 "accept_length_mean": spec.get("accept_length"), "wall_seconds": wall,
+                 "tokens_per_second": new / wall if wall > 0 else 0.0, "prefill_seconds": first,
+                 "promoted_tokens": spec.get("promoted_tokens", 0), "server_seconds": spec.get("generation_seconds"),
+                 "server_prefill_seconds": spec.get("prefill_seconds")}
+        return GenerationResult(token_ids=[], text=text, stats=stats)
+
+    def _stream(self, body: dict[str, Any]) -> tuple[str, dict, float | None, float]:
+        """(text, last chunk, seconds to the first text, wall seconds) of one streamed completion."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        parts: list[str] = []
+        last: dict = {}
+        first = None
+        t0 = time.perf_counter()
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise AdaptiveSpecError(f"{self.name}: /v1/completions returned {resp.status}: {resp.read()[:300]!r}")
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                last = json.loads(line[6:])
+                if "error" in last:
+                    raise AdaptiveSpecError(f"{self.name}: the server failed: {last['error'].get('message')}")
+                piece = last["choices"][0]["text"]
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                parts.append(piece)
+        finally:
+            conn.close()
+        return "".join(parts), last, first, time.perf_counter() - t0
