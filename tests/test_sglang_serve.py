@@ -141,7 +141,7 @@ def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
         serve.run_serve(args)
     assert str(err.value) == (f"sglang is not installed; install it on a CUDA machine with: "
                               f"pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
-                              "on a Xeon with AMX: scripts/install_sglang_cpu.sh")
+                              "on an x86 CPU with AMX or AVX-512 bf16: scripts/install_sglang_cpu.sh")
 
 
 def test_serve_checks_the_api_then_execs(config, monkeypatch):

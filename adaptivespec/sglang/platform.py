@@ -13,7 +13,17 @@ from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
 
 INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
-                "on a Xeon with AMX: scripts/install_sglang_cpu.sh")
+                "on an x86 CPU with AMX or AVX-512 bf16: scripts/install_sglang_cpu.sh")
+
+AVX512_SWITCH_ENV = "ADAPTIVESPEC_SGLANG_AVX512"
+"""``0`` turns off the AVX-512 mode: a CPU without AMX is then refused, as SGLang itself would."""
+
+CPU_MODE_ENV = "ADAPTIVESPEC_SGLANG_CPU_MODE"
+"""Set to ``avx512`` in the environment of the SGLang processes ``serve`` starts on an AVX-512 CPU
+without AMX; :mod:`adaptivespec.sglang.cpu_shim` reads it there."""
+
+SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
+"""Put on ``PYTHONPATH`` of those processes only: its ``sitecustomize`` applies the mode."""
 
 CPU_PRELOADS = ("libiomp5.so", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4", "/usr/lib/x86_64-linux-gnu/libtbbmalloc.so.2")
 """Libraries SGLang's CPU recipe preloads (Intel OpenMP from the venv, tcmalloc, TBB's malloc); each
@@ -33,12 +43,65 @@ def detect_device() -> str:
         return "cpu"
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU speculative path needs it."""
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags (the first ``flags`` line of ``cpuinfo``; empty when it cannot be read)."""
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except (OSError, IndexError):
+        pass
+    return frozenset()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU backend is built for it."""
+    return "amx_bf16" in cpu_flags()
+
+
+def cpu_mode(flags: frozenset[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """How SGLang's CPU backend runs on this CPU: ``amx`` (a Xeon with AMX, SGLang's supported CPU),
+    ``avx512`` (AVX-512 with bf16 and no AMX: adaptivespec's supported mode, where the SGLang
+    processes ``serve`` starts are told they may use the AMX backend, :mod:`adaptivespec.sglang.cpu_shim`),
+    or None: neither, or the mode turned off (``ADAPTIVESPEC_SGLANG_AVX512=0``)."""
+    flags = cpu_flags() if flags is None else flags
+    env = os.environ if env is None else env
+    if "amx_bf16" in flags:
+        return "amx"
+    if {"avx512f", "avx512_bf16"} <= flags and env.get(AVX512_SWITCH_ENV, "1") != "0":
+        return "avx512"
+    return None
+
+
+def cpu_refusal(flags: frozenset[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """Why SGLang's CPU backend cannot run speculative decoding here, as a sentence (None: it can)."""
+    flags = cpu_flags() if flags is None else flags
+    env = os.environ if env is None else env
+    if cpu_mode(flags, env) is not None:
+        return None
+    if {"avx512f", "avx512_bf16"} <= flags:
+        return (f"{AVX512_SWITCH_ENV}=0 turned off the AVX-512 mode and this CPU has no AMX: SGLang's CPU backend "
+                "runs speculative decoding only with its AMX kernels; unset it, or serve on a CUDA machine")
+    return ("no CUDA device and this CPU has neither AMX (amx_bf16) nor AVX-512 bf16 (avx512_bf16) in "
+            "/proc/cpuinfo: SGLang's CPU backend runs speculative decoding only with its AMX kernels; serve on a "
+            "CUDA machine, or use --runtime torch")
+
+
+def sglang_unavailable_reason(device: str | None = None) -> str | None:
+    """Why ``adaptivespec serve --runtime sglang`` cannot run here, as one sentence (None: it can):
+    SGLang not installed, a CPU it cannot run speculative decoding on, or an installed SGLang
+    without the API the plugin needs. Imports no sglang (only its package metadata and sources)."""
+    if (device or detect_device()) == "cpu":
+        refusal = cpu_refusal()
+        if refusal:
+            return refusal
+    if importlib.util.find_spec("sglang") is None:
+        return f"sglang is not installed; {INSTALL_HINT}"
+    problems = check_api()
+    if problems:
+        return (f"the installed sglang {installed_version() or '?'} lacks what the plugin (written for "
+                f"{SGLANG_VERSION}) needs: {'; '.join(problems)}")
+    return None
 
 
 def _available_memory() -> int:
@@ -96,9 +159,14 @@ def cpu_args(target: str, extra_args: Sequence[str] = ()) -> list[str]:
 def cpu_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """What SGLang's CPU engine reads: ``SGLANG_USE_CPU_ENGINE=1``, OpenMP threads bound to this
     process's CPUs (``SGLANG_CPU_OMP_THREADS_BIND``), and ``LD_PRELOAD`` of Intel OpenMP, tcmalloc
-    and tbbmalloc where present. Values already in ``base`` are kept."""
+    and tbbmalloc where present; on an AVX-512 CPU without AMX (:func:`cpu_mode` ``avx512``) the
+    mode's :data:`CPU_MODE_ENV` and :data:`SHIM_DIR` first on ``PYTHONPATH``. Values already in
+    ``base`` are kept."""
     env = dict(os.environ if base is None else base)
     env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if cpu_mode(env=env) == "avx512" and CPU_MODE_ENV not in env:
+        env[CPU_MODE_ENV] = "avx512"
+        env["PYTHONPATH"] = os.pathsep.join([str(SHIM_DIR), *filter(None, [env.get("PYTHONPATH")])])
     if "SGLANG_CPU_OMP_THREADS_BIND" not in env:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         env["SGLANG_CPU_OMP_THREADS_BIND"] = _ranges(cpus)
@@ -129,19 +197,11 @@ def _ranges(cpus: Sequence[int]) -> str:
 
 
 def preflight(device: str | None = None) -> None:
-    """Fail in one line unless the installed SGLang is there and has the API the plugin needs
-    (and, on a CPU, the CPU has AMX)."""
-    if (device or detect_device()) == "cpu" and not cpu_has_amx():
-        raise AdaptiveSpecError("no CUDA device and this CPU has no AMX (amx_bf16 in /proc/cpuinfo): SGLang's CPU "
-                                "backend runs speculative decoding only with AMX; serve on a CUDA machine")
-    if importlib.util.find_spec("sglang") is None:
-        raise AdaptiveSpecError(f"sglang is not installed; {INSTALL_HINT}")
-    problems = check_api()
-    if problems:
-        raise AdaptiveSpecError(
-            f"the installed sglang {installed_version() or '?'} lacks what the plugin (written for "
-            f"{SGLANG_VERSION}) needs: {'; '.join(problems)}"
-        )
+    """Fail in one line unless SGLang can serve here (:func:`sglang_unavailable_reason`): on a CPU,
+    AMX or AVX-512 bf16 (:func:`cpu_mode`), and the installed SGLang with the API the plugin needs."""
+    reason = sglang_unavailable_reason(device)
+    if reason:
+        raise AdaptiveSpecError(reason)
     version = installed_version()
     if version != SGLANG_VERSION:
         print(f"adaptivespec: warning: sglang {version} installed, the plugin is checked against {SGLANG_VERSION}", file=sys.stderr)
