@@ -38,7 +38,7 @@ from adaptivespec.plugins import get_plugin_host
 from adaptivespec.server.launch import add_runtime_arguments, choose_runtime, first_line
 from adaptivespec.sglang import CONFIG_ENV, LOAD_PROFILE_ENV, METRICS_ENV, PLUGIN_NAME, TRACE_ENV, VERIFY_BUDGET_ENV
 from adaptivespec.sglang.controller import build_strategies, step_level_notice
-from adaptivespec.sglang.platform import cpu_args, cpu_env, detect_device, preflight
+from adaptivespec.sglang.platform import CPU_MODE_ENV, cpu_args, cpu_env, detect_device, preflight
 from adaptivespec.sglang.shapes import sglang_shapes
 from adaptivespec.sglang.state_bank import ShapeStateBank
 from adaptivespec.strategies import TreePolicy
@@ -321,7 +321,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One shell line: the plugin's environment variables, then the command."""
-    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, LOAD_PROFILE_ENV, METRICS_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD")
+    keys = (CONFIG_ENV, "SGLANG_PLUGINS", TRACE_ENV, VERIFY_BUDGET_ENV, LOAD_PROFILE_ENV, METRICS_ENV, "SGLANG_USE_CPU_ENGINE", "SGLANG_CPU_OMP_THREADS_BIND", "LD_PRELOAD",
+            CPU_MODE_ENV, "PYTHONPATH")
     shown = [f"{k}={shlex.quote(env[k])}" for k in keys if k in env]
     return " ".join(shown + [shlex.join(argv)])
 
