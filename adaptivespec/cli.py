@@ -20,6 +20,7 @@ from adaptivespec.errors import AdaptiveSpecError
 EXTRA_COMMANDS = [
     ("adaptivespec.training.cli", "add_parser"),
     ("adaptivespec.training.policy_cli", "add_parser"),
+    ("adaptivespec.analysis.post_draft_fit", "add_parser"),
     ("adaptivespec.evaluation.cli", "add_bench_parser"),
     ("adaptivespec.evaluation.cli", "add_sweep_parser"),
     ("adaptivespec.sglang.serve", "add_serve_parser"),

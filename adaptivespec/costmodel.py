@@ -325,3 +325,124 @@ def rank_by_value(
     if lo == 0 and rate[j] <= alone:  # verifying nothing drafted is better
         return order, 0, alone
     return order, j + 1, float(rate[j])
+
+
+# -- fitted path calibration (per depth, per source) ----------------------------------------------
+DEFAULT_PATH_CALIBRATION = "post-draft-smollm2-135m-embedded.json"
+"""Shipped path calibration of the embedded pair (``adaptivespec fit-post-draft``, training prompts)."""
+HEAD = "head"
+"""The draft head's name in a :class:`PathCalibration` (candidate sources go by their registered names)."""
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(x, -30.0, 30.0)))
+
+
+def _logit(p: Any) -> np.ndarray:
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1.0 - 1e-6)
+    return np.log(p / (1.0 - p))
+
+
+def fit_logistic(X: np.ndarray, y: np.ndarray, l2: float = 1.0, iters: int = 25) -> np.ndarray:
+    """Weights ``w`` of ``P(y = 1 | x) = sigmoid(X @ w)`` by Newton's method with an L2 penalty
+    ``l2`` (the intercept, column 0, unpenalised). ``X``: [n, f] with a column of ones first."""
+    w = np.zeros(X.shape[1])
+    reg = np.full(X.shape[1], l2)
+    reg[0] = 1e-6
+    for _ in range(iters):
+        p = _sigmoid(X @ w)
+        grad = X.T @ (p - y) + reg * w
+        hess = (X * (p * (1.0 - p))[:, None]).T @ X + np.diag(reg)
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return w
+
+
+def head_features(logp: Any, edge: Any) -> list:
+    """Features of a drafted node: 1, its cumulative draft log-prob, the log-prob of its own edge."""
+    return [np.ones_like(logp), logp, edge]
+
+
+def source_features(score: Any) -> list:
+    """Features of a source's candidate: 1, the log-odds of the source's own score."""
+    return [np.ones_like(score), _logit(score)]
+
+
+def expected_calibration_error(p: Any, y: Any, bins: int = RELIABILITY_BINS) -> tuple[float, dict[str, list]]:
+    """Count-weighted mean |predicted - observed| over equal-width bins of the prediction, and the
+    reliability table (per bin: count, mean predicted, observed rate)."""
+    p, y = np.asarray(p, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    b = np.minimum((p * bins).astype(np.int64), bins - 1)
+    n = np.bincount(b, minlength=bins)
+    sp = np.bincount(b, weights=p, minlength=bins)
+    sy = np.bincount(b, weights=y, minlength=bins)
+    ece = float(np.abs(sp - sy).sum() / max(n.sum(), 1))
+    safe = np.maximum(n, 1)
+    return ece, {"count": n.tolist(), "predicted": (sp / safe).tolist(), "observed": (sy / safe).tolist()}
+
+
+@attrs.define(eq=False, kw_only=True)
+class PathCalibration:
+    """P(strict verification accepts the path to a node), fitted offline on training prompts, per
+    depth and per proposer (``adaptivespec fit-post-draft``).
+
+    One logistic regression per (proposer, depth): the head's drafted nodes on
+    :func:`head_features` (cumulative and own-edge draft log-prob), a candidate source's on
+    :func:`source_features` (its own score's log-odds); a depth deeper than the fitted ones uses
+    the deepest. A source without a fit keeps its own score. ``continuation[d]``: the fitted
+    probability that an accepted node at depth ``d - 1`` that was expanded has an accepted child
+    (the look-ahead of the level rule). Nothing here learns online: the map does not drift with
+    the traffic (docs/tuning.md, "Known problem")."""
+
+    weights: dict[str, np.ndarray]
+    """Proposer -> [depths, features] logistic weights (row ``d - 1``: depth ``d``)."""
+    continuation: np.ndarray
+    """[depths + 2] fitted continuation rate per depth index (0 and 1 unused)."""
+    meta: dict[str, Any] = attrs.field(factory=dict)
+
+    def head_values(self, depth: int, logp: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
+        """Calibrated acceptance of drafted nodes at one ``depth`` (``logp``/``edge``: [c] tensors on
+        the draft's device; a few elementwise ops, no host sync)."""
+        w = self.weights[HEAD]
+        row = w[min(max(depth, 1), w.shape[0]) - 1]
+        return torch.sigmoid(float(row[0]) + float(row[1]) * logp.float() + float(row[2]) * edge.float())
+
+    def head_values_np(self, depth: Any, logp: Any, edge: Any) -> np.ndarray:
+        """:meth:`head_values` for nodes of mixed depths, on the host (numpy arrays)."""
+        w = self.weights[HEAD]
+        rows = w[np.minimum(np.maximum(np.asarray(depth), 1), w.shape[0]) - 1]
+        X = np.stack(head_features(np.asarray(logp, dtype=np.float64), np.asarray(edge, dtype=np.float64)), -1)
+        return _sigmoid((rows * X).sum(-1))
+
+    def source_values(self, name: str, depth: Any, score: Any) -> np.ndarray | None:
+        """Calibrated acceptance of a source's candidates (host arrays); None: no fit for ``name``."""
+        w = self.weights.get(name)
+        if w is None:
+            return None
+        rows = w[np.minimum(np.maximum(np.asarray(depth), 1), w.shape[0]) - 1]
+        X = np.stack(source_features(np.asarray(score, dtype=np.float64)), -1)
+        return _sigmoid((rows * X).sum(-1))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 1, "kind": "path-calibration", **self.meta,
+                "weights": {k: np.round(v, 6).tolist() for k, v in self.weights.items()},
+                "continuation": np.round(self.continuation, 6).tolist()}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PathCalibration":
+        try:
+            data = json.loads(Path(path).read_text())
+            weights = {k: np.array(v, dtype=np.float64) for k, v in data["weights"].items()}
+            cont = np.array(data["continuation"], dtype=np.float64)
+            if data.get("kind") != "path-calibration" or HEAD not in weights or weights[HEAD].shape[1] != 3:
+                raise ValueError("not a path calibration with head weights [depths, 3]")
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise ValueError(f"{path}: not a path calibration (expected JSON from `adaptivespec fit-post-draft`: {exc})") from None
+        meta = {k: v for k, v in data.items() if k not in ("weights", "continuation", "format", "kind")}
+        return cls(weights=weights, continuation=cont, meta=meta)

@@ -74,6 +74,7 @@ def fuse(
     candidates: Sequence[CandidateTrie | None] = (),
     device=None,
     rules=None,
+    source_names: Sequence[str] = (),
 ) -> FusedTree:
     """One verify tree of at most ``budget`` nodes (root included) from the head and the tries.
 
@@ -84,7 +85,8 @@ def fuse(
     each node's score.
 
     ``rules`` (optional, the tree policy; see :class:`~adaptivespec.fusion_rules.FusionRules`): ``rules.fusion_scores(head)``
-    gives the head's scores when ``head_scores`` is None, ``rules.fusion_size(ranking)`` how many
+    gives the head's scores when ``head_scores`` is None, ``rules.fusion_source_scores(name, trie)`` source
+    ``k``'s scores (``name``: ``source_names[k]``, when given), ``rules.fusion_size(ranking)`` how many
     ranked candidates are kept (at most ``budget - 1``), and a tree of at most ``shape.ndt`` nodes is recorded with
     ``rules.verify_shape(shape, n)`` (the bank's bucket for it). Each is skipped when absent.
     """
@@ -111,11 +113,13 @@ def fuse(
         for i in range(1, len(h_tokens)):
             where.append(add(where[h_parents[i]], h_tokens[i], h_scores[i], HEAD))
         head_where = where
+    rescore = getattr(rules, "fusion_source_scores", None)
     for k, trie in enumerate(candidates):
         if trie is None:
             continue
         bit, where = 2 << k, []
-        for t, p, s in zip(trie.tokens, trie.parents, trie.scores):
+        own = rescore(source_names[k], trie) if rescore is not None and k < len(source_names) else None
+        for t, p, s in zip(trie.tokens, trie.parents, trie.scores if own is None else own):
             where.append(add(0 if p < 0 else where[p], t, s, bit))
     n = len(tokens)
     for i in range(1, n):  # parents first: a node never outranks its parent

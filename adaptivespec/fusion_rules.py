@@ -47,6 +47,11 @@ class FusionRules:
         head's own path probability ``exp(draft_logp)``."""
         return None
 
+    def fusion_source_scores(self, source: str, trie: Any) -> Any:
+        """Scores of candidate source ``source``'s trie (a :class:`~adaptivespec.types.CandidateTrie`)
+        on the policy's scale (one per node, in the trie's order); None: the source's own scores."""
+        return None
+
     def fusion_size(self, ranking: FusionRanking) -> int:
         """How many of the fused candidates (a :class:`FusionRanking`, best first) are verified
         beside the root; at most ``ranking.budget - 1`` (the default)."""

@@ -35,6 +35,7 @@ BUILTIN_PLUGINS = {
     "dcs": "adaptivespec.policies.dcs",
     "cost_aware": "adaptivespec.policies.cost_aware",
     "learned": "adaptivespec.policies.learned",
+    "post_draft": "adaptivespec.policies.post_draft",
     "strict": "adaptivespec.verifiers.strict",
     "margin": "adaptivespec.verifiers.margin",
     "eagle3": "adaptivespec.drafter",

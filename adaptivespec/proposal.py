@@ -126,7 +126,8 @@ class Proposer:
         if tree is not None and not any(tries):
             return Proposal(tree=tree, tries=tries)
         budget = shape.ndt + max((s.extra_slots() for s, t in zip(self.sources, tries) if t), default=0)
-        fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device, rules=self.policy)
+        fused = fuse(int(rt.root), budget, shape, tree, candidates=tries, device=rt.device, rules=self.policy,
+                     source_names=self.names[1:])
         return Proposal(tree=fused.tree, tries=tries, fused=fused)
 
     def observe(self, proposal: Proposal, result: VerifyResult, emitted: list[int]) -> dict[str, int]:

@@ -407,9 +407,14 @@ class CostAwarePolicy(TreePolicy):
             "breaker_tripped": self._tripped,
             "zero_streak": self._zero_streak,
         }
-        if self._steps % self.params.trace_every == 0:
-            out["reliability"] = self.calib.reliability()
+        rel = self._trace_reliability()
+        if rel is not None:
+            out["reliability"] = rel
         return out
+
+    def _trace_reliability(self) -> dict[str, Any] | None:
+        """The calibration map's reliability table, every ``trace_every`` steps (None between)."""
+        return self.calib.reliability() if self._steps % self.params.trace_every == 0 else None
 
 
 @adaptivespec.hookimpl

@@ -40,6 +40,7 @@ BUILTIN_EXTRAS = {
     "adaptivespec.policies.cost_aware": {"adaptivespec.costmodel"},  # its cost model: the policy's own machinery
     "adaptivespec.sources.retrieval": {"adaptivespec.sources.ngram"},  # its index, beside it
     "adaptivespec.policies.learned": {"adaptivespec.costmodel", "adaptivespec.learned_model"},  # its cost model, its fitted model
+    "adaptivespec.policies.post_draft": {"adaptivespec.costmodel", "adaptivespec.policies.cost_aware"},  # cost_aware's rules, reused
 }
 
 

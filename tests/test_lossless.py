@@ -33,6 +33,9 @@ POLICIES["dcs-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _SHIPPED.it
 # the cost-aware policy as configs/cost-aware.yaml ships it: levels and verify budget vary within a step
 _COST = yaml.safe_load((Path(__file__).parents[1] / "configs" / "cost-aware.yaml").read_text())["policy"]
 POLICIES["cost-aware-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _COST.items()]
+# the post-draft policy as configs/post-draft.yaml ships it: depth, branching and verified subtree vary per step
+_POST = yaml.safe_load((Path(__file__).parents[1] / "configs" / "post-draft.yaml").read_text())["policy"]
+POLICIES["post-draft-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _POST.items()]
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -103,10 +106,10 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
         drafter.__class__ = Eagle3Drafter
     # the test really exercised acceptance (the shipped DCS ends and the cost-aware policy, whose
     # calibration prior is the real head's, include depth-1 trees: less per step)
-    assert tokens / forwards > (1.5 if policy in ("dcs-shipped", "cost-aware-shipped") else 1.8)
+    assert tokens / forwards > (1.5 if policy in ("dcs-shipped", "cost-aware-shipped", "post-draft-shipped") else 1.8)
     if any(s.topk > 1 for s in shapes):  # and accepted paths that are not the first-ranked chain
         assert any(p != list(range(len(p))) for p in paths)
-    if policy.startswith("cost"):  # the verify budget really varied within the one drafting shape
+    if policy.startswith(("cost", "post")):  # the verify budget really varied within the one drafting shape
         assert len(sizes) >= 3
     if policy.startswith("dcs"):  # the policy really switched shapes
         assert len(shapes) >= (3 if policy == "dcs" else 2)
@@ -141,6 +144,7 @@ RETRIEVAL_CONFIGS = {  # name: (config file, overrides, prompts)
     "hybrid-skip-draft": ("hybrid.yaml", ["sources=[{name: retrieval, extra_slots: 4, skip_draft_match: 2}]"], REPEATING[:1]),
     "retrieval": ("retrieval.yaml", [], [*REPEATING, PROMPTS[0]]),
     "cost-aware-hybrid": ("cost-aware-hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
+    "post-draft-hybrid": ("post-draft-hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
 }
 
 
@@ -159,7 +163,7 @@ def test_retrieval_configs_are_lossless(name, greedy_reference):
             by_source[k] = by_source.get(k, 0) + v
         sizes |= {r.tree_size for r in res.records}
     assert by_source["retrieval"] > 10  # copied spans were really drafted from the context
-    if "head" in by_source and name in ("hybrid", "cost-aware-hybrid"):
+    if "head" in by_source and name in ("hybrid", "cost-aware-hybrid", "post-draft-hybrid"):
         assert by_source["head"] > 0
     policy = engine.config.policy.params
     if hasattr(policy, "buckets"):  # a variable budget (the policy's cost rule): within the bank's rows

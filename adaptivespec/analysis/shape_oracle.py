@@ -275,16 +275,24 @@ def replay_in_step(path: str, trees_all: dict, p1_by, coef) -> dict:
             shape = policy.next_shape(StepSignals(step=step, draft_top1_prob=pp[i], last_accepted=last))
             t = trees[i]
             depth, parents, logp, match = t["depth"].long(), t["parents"].long(), t["logp"], t["match"]
-            pool, used = 0, 0
+            pool, used, visited = 0, 0, []
+            lvl = (depth == 1).nonzero().squeeze(1)
             for d in range(1, shape.nsteps + 1):
-                lvl = (depth == d).nonzero().squeeze(1)
                 if lvl.numel() == 0:
                     break
                 _, beam = policy.select_level(logp[lvl], d, shape, pool)
                 pool, used = pool + lvl.numel(), d
+                visited.append(lvl)
                 if beam.numel() == 0:
                     break
-            cand = ((depth >= 1) & (depth <= used)).nonzero().squeeze(1)  # pool order = node order
+                # the next level: the children of the nodes the policy expanded (a policy may expand
+                # fewer than EAGLE's beam), in the order of its beam, as the drafter would propose them
+                rank = torch.full((depth.shape[0],), -1, dtype=torch.long)
+                rank[lvl[beam]] = torch.arange(beam.numel())
+                nxt = (depth == d + 1).nonzero().squeeze(1)
+                r = rank[parents[nxt]]
+                lvl = nxt[r >= 0][torch.sort(r[r >= 0], stable=True).indices]
+            cand = torch.cat(visited) if visited else torch.zeros(0, dtype=torch.long)  # pool order
             kept = torch.sort(cand[policy.select_final(logp[cand], shape)]).values
             nodes = torch.cat([torch.zeros(1, dtype=torch.long), kept])
             sub_parents = parents[nodes]
