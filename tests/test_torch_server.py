@@ -381,3 +381,17 @@ def test_bench_and_soak_take_the_torch_runtime(tmp_path, capsys):
                         "127.0.0.1", "--port", "31001", "--queue-size", "8"]
     assert main(["soak", "--config", str(HYBRID), "--runtime", "torch", "--out", str(tmp_path), "--", "--x", "1"]) == 2
     assert capsys.readouterr().err.strip() == "adaptivespec: error: --x: SGLang's arguments only with --runtime sglang"
+
+
+def test_the_openai_client_reads_answers_streams_and_errors(scripted):
+    openai = pytest.importorskip("openai")
+    _, _, port = scripted
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.choices[0].message.content == "abcd" and out.usage.completion_tokens == 4
+    assert out.model_extra["speculation"]["target_forwards"] == 4
+    stream = client.completions.create(model="scripted", prompt="hi", max_tokens=3, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "abc"
+    with pytest.raises(openai.BadRequestError, match="max_tokens: expected a positive integer, got 0"):
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    assert [m.id for m in client.models.list()] == ["scripted"]

@@ -104,8 +104,7 @@ def build_app(service: Service, *, metrics: bool = True) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        if not service.worker._thread.is_alive():
-            service.worker.start()
+        service.worker.start()
         try:
             yield
         finally:

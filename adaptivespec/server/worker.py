@@ -99,7 +99,9 @@ class Worker:
 
     # -- the HTTP side ----------------------------------------------------------------------------
     def start(self) -> "Worker":
-        self._thread.start()
+        """Start the generation thread (once; later calls do nothing)."""
+        if self._thread.ident is None:
+            self._thread.start()
         return self
 
     def submit(self, job: Job) -> None:
