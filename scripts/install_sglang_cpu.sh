@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Add SGLang's CPU (Intel AMX) backend to the active venv from the prebuilt wheels.
+# Add SGLang's CPU backend (its Intel AMX kernels; on AVX-512 bf16 CPUs without AMX, adaptivespec's AVX-512 mode) to the active venv from the prebuilt wheels.
 #
 #   scripts/install_sglang_cpu.sh            # inside an activated venv with torch 2.13.0+cpu
 #
 # Wheel folder: $ADAPTIVESPEC_SGLANG_WHEELS, else <repo>/../shared/sglang-cpu, else
 # /work/shared/sglang-cpu. Idempotent: re-running with everything in place only checks.
-# Exits 0 with one line saying why when there is nothing to install here (no wheel folder, or a
-# CPU without AMX, where SGLang's CPU backend cannot run speculative decoding): CI must not fail
-# for that; the real-server tests skip with the same reason.
+# Exits 0 with one line saying why when there is nothing to install here (no wheel folder, or a CPU
+# with neither AMX nor AVX-512 bf16, where SGLang's CPU backend cannot run speculative decoding): CI
+# must not fail for that; the real-server tests skip with the same reason. On AVX-512 bf16 without
+# AMX, adaptivespec runs SGLang in its AVX-512 mode (docs/serving.md; ADAPTIVESPEC_SGLANG_AVX512=0: off).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 
-if [ "$(grep -c amx_bf16 /proc/cpuinfo 2>/dev/null || true)" = "0" ] || ! grep -q amx_bf16 /proc/cpuinfo 2>/dev/null; then
-    echo "install_sglang_cpu: skipped: this CPU has no AMX (amx_bf16 not in /proc/cpuinfo); SGLang's CPU backend needs it"
+flags="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)"
+has() { case " ${flags#*:} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if has amx_bf16; then
+    echo "install_sglang_cpu: this CPU has AMX: SGLang's CPU backend as upstream supports it"
+elif has avx512f && has avx512_bf16 && [ "${ADAPTIVESPEC_SGLANG_AVX512:-1}" != "0" ]; then
+    echo "install_sglang_cpu: this CPU has AVX-512 bf16 and no AMX: SGLang's CPU backend in adaptivespec's AVX-512 mode"
+else
+    echo "install_sglang_cpu: skipped: this CPU has neither AMX (amx_bf16) nor AVX-512 bf16 (avx512_bf16) in /proc/cpuinfo${ADAPTIVESPEC_SGLANG_AVX512:+ (or ADAPTIVESPEC_SGLANG_AVX512=$ADAPTIVESPEC_SGLANG_AVX512)}; SGLang's CPU backend needs one"
     exit 0
 fi
 wheels=""

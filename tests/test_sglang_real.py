@@ -18,8 +18,12 @@ tokens are within :data:`NEAR_TIE` of each other. Each request is sent with the 
 a cached prefix shortens the prefill and changes its bf16 rounding (why two identical requests
 could return different texts; see docs/serving.md).
 
+On an x86 CPU with AVX-512 bf16 and no AMX every server here runs in adaptivespec's AVX-512 mode
+(:func:`adaptivespec.sglang.platform.cpu_mode`); on a Xeon with AMX one more server runs that mode
+emulated (SGLang told there is no AMX, oneDNN held to AVX-512 bf16), so CI on either machine checks it.
+
 Skipped, with the reason, where sglang is not installed (``scripts/install_sglang_cpu.sh``) or the
-machine has neither CUDA nor a CPU with AMX.
+machine has neither CUDA nor a CPU with AMX or AVX-512 bf16.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ PROMPTS = [
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed (run scripts/install_sglang_cpu.sh on a Xeon with AMX)"
-    if platform.detect_device() == "cpu" and not platform.cpu_has_amx():
-        return "no CUDA and this CPU has no AMX: SGLang's CPU backend cannot run speculative decoding here"
+    if platform.detect_device() == "cpu" and platform.cpu_refusal():
+        return platform.cpu_refusal()
     try:
         import sglang  # noqa: F401
     except Exception as exc:  # a broken install is a finding: say what failed
@@ -416,3 +420,37 @@ def test_settled_steps_skip_the_draft_extend_and_drafting_resumes_exactly(served
     assert any(s["bs"] == 1 and s["shape"] != [0, 0, 1] for s in steps)  # drafting resumed
     # and one request at a time afterwards is served as before
     _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])
+
+
+# -- the AVX-512 mode, emulated on a CPU with AMX ---------------------------------------------------
+EMULATED_NO_AMX = """import torch
+torch.cpu._is_amx_tile_supported = lambda: False  # what SGLang reads on a CPU without AMX
+"""
+
+
+@pytest.fixture(scope="module")
+def served_avx512_emulated(plain_outputs, tmp_path_factory):
+    """The dcs config served in the AVX-512 mode on this AMX CPU: a ``sitecustomize`` after the
+    mode's shim makes torch report no AMX (SGLang alone would then pick ``torch_native``, which refuses
+    EAGLE) and ``ONEDNN_MAX_CPU_ISA`` keeps oneDNN's GEMMs (the packed linear layers, attention's
+    brgemm) on their AVX-512 bf16 code, as on a CPU without AMX."""
+    if platform.detect_device() != "cpu" or platform.cpu_mode() != "amx":
+        pytest.skip("the emulation is for a CPU with AMX; on an AVX-512 CPU every server above runs the mode itself")
+    out = tmp_path_factory.mktemp("avx512")
+    (out / "deny").mkdir()
+    (out / "deny" / "sitecustomize.py").write_text(EMULATED_NO_AMX)
+    argv, env = served_command(DCS_CONFIG, free_port())
+    env.update({platform.CPU_MODE_ENV: "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                "PYTHONPATH": f"{platform.SHIM_DIR}:{out / 'deny'}"})
+    with SGLangServer(argv, env, out / "served.log") as server:
+        yield server, out / "served.log"
+
+
+def test_avx512_mode_serves_strict_output_with_the_amx_backend(served_avx512_emulated, plain_outputs, prompt_ids, smol32):
+    server, log = served_avx512_emulated
+    text = log.read_text()
+    assert "'attention_backend': 'intel_amx'" in text, "SGLang did not pick its Intel AMX backend in the AVX-512 mode"
+    _check_strict_against_plain(server, plain_outputs, prompt_ids, smol32[0])
+    status, gen = server.request("POST", "/generate", {"text": "The capital of France is",
+                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
+    assert status == 200 and 0 < gen["meta_info"]["spec_verify_ct"] < gen["meta_info"]["completion_tokens"]
