@@ -44,6 +44,7 @@ def test_every_served_kernel_has_a_check():
                "store_cache_cpu"):
         assert op in ops_checked
     assert any("tree" in c.name and "extend_attention_cpu" == c.kernel_op for c in CHECKS)
+    assert any(c.kernel_op == "build_tree_kernel_efficient_cpu + extend_attention_cpu" for c in CHECKS)
     assert len(BY_NAME) == len(CHECKS)  # names are unique (they seed the inputs)
 
 
@@ -77,8 +78,10 @@ def test_a_kernel_three_bits_short_of_bf16_fails(name, ops):
     assert not result.passed, sk.format_result(result)
 
 
-def test_the_tree_mask_is_honoured(ops):
-    check = BY_NAME["extend_attention_cpu target verify tree n=8"]
+@pytest.mark.parametrize("name", ["extend_attention_cpu target verify tree n=8",
+                                  "extend_attention_cpu verify, SGLang's tree (6,4,12)"])
+def test_the_tree_mask_is_honoured(name, ops):
+    check = BY_NAME[name]
     kernel = check.kernel
 
     def causal_kernel(o, inp):  # the kernel without the tree mask: plain causal attention over the drafts
@@ -132,7 +135,8 @@ def test_brgemm_kernels_on_oneDNN_avx512_bf16_code(ops):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in proc.stdout
     brgemm = [line for line in proc.stdout.splitlines() if line.startswith("PASS") and "(oneDNN brgemm)" in line]
-    assert len(brgemm) == 8 and all("[avx512-bf16 (oneDNN brgemm)]" in line for line in brgemm), proc.stdout
+    expected = [c for c in CHECKS if "qkv rows 5," in c.name or "extend_attention_cpu" in c.name]
+    assert len(brgemm) == len(expected) and all("[avx512-bf16 (oneDNN brgemm)]" in line for line in brgemm), proc.stdout
     if sk.cpu_info()["avx512_bf16"]:  # oneDNN's own word for the code it ran (its verbose header)
         proc = _module("--onednn-isa", "AVX512_CORE_BF16", "--only", "target qkv rows 5", ONEDNN_VERBOSE="1")
         isa = [line for line in proc.stdout.splitlines() if "onednn_verbose" in line and ",isa:" in line]

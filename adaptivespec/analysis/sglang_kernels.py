@@ -141,6 +141,7 @@ class Check:
     torch_bf16: Callable[[dict], tuple]
     factor: float | None = 2.0
     why: str = ""
+    inputs_use_ops: bool = False  # ``inputs(gen, ops)``: inputs made by another kernel (SGLang's tree builder)
 
 
 @dataclass
@@ -189,7 +190,7 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
 def run_check(check: Check, ops) -> Result:
     """Run one check; a kernel that raises, or returns the wrong shape, fails with that as its note."""
     gen = torch.Generator().manual_seed(_seed(check.name))
-    inp = check.inputs(gen)
+    inp = check.inputs(gen, ops) if check.inputs_use_ops else check.inputs(gen)
     inf, nan = float("inf"), float("nan")
 
     def failed(note):
@@ -572,6 +573,84 @@ def _extend_check(name, prefix, extend, tree=False, sharp=1.0, why=""):
                  lambda i: _both(i, BF16, True), why=why)
 
 
+def _eagle_draft(gen, bs, topk, steps, ndt):
+    """``(parent_list, top_scores_index)`` of an EAGLE draft with random probabilities, as SGLang's
+    ``select_top_k_tokens`` (per level: the topk best of topk x topk children) and
+    ``organize_draft_results`` (the ndt - 1 best path scores, sorted) make them."""
+    scores, parents = [], []
+    cum = torch.rand(bs, topk, generator=gen).sort(-1, descending=True).values
+    scores.append(cum)
+    parents.append(torch.arange(-1, topk).expand(bs, -1).contiguous())
+    for level in range(1, steps):
+        child = torch.rand(bs, topk, topk, generator=gen)
+        flat = (cum[:, :, None] * child / child.sum(-1, keepdim=True)).flatten(1)
+        scores.append(flat)
+        top = torch.topk(flat, topk).indices
+        parents.append(top + topk ** 2 * (level - 1) + topk)
+        cum = flat.gather(1, top)
+    index = torch.sort(torch.topk(torch.cat(scores, 1), ndt - 1).indices).values
+    parent_list = torch.cat(parents[:-1], 1) if steps > 1 else torch.empty(bs, 0, dtype=torch.long)
+    return parent_list, index
+
+
+def _parents_from_links(next_token, next_sibling):
+    """Each node's parent as SGLang's greedy verify walks the tree (first child, next sibling); -1 for
+    the root and for a node the walk never reaches."""
+    n = len(next_token)
+    par, stack = [-1] * n, [0]
+    while stack:
+        u = stack.pop()
+        c = int(next_token[u])
+        while c != -1:
+            par[c] = u
+            stack.append(c)
+            c = int(next_sibling[c])
+    return par
+
+
+def _sglang_tree_check(name, prefix, topk, steps, ndt):
+    """The verify attention over the tree exactly as SGLang's CPU path builds it: its
+    ``build_tree_kernel_efficient_cpu`` (QLEN_ONLY mask, positions, next-token / next-sibling links) from
+    an EAGLE draft, then ``extend_attention_cpu`` with that mask. The reference takes each node's
+    ancestors from the links SGLang's verify walks (not from the mask), so a mask that disagrees with the
+    tree the verify accepts along fails, as do positions other than prefix + depth."""
+    prefix = tuple(prefix)
+    bs = len(prefix)
+    base = _extend_check(name, prefix, (ndt,) * bs)  # its pool, queries, kernel call and references
+
+    def inputs(gen, ops):
+        parent_list, index = _eagle_draft(gen, bs, topk, steps, ndt)
+        seq = torch.tensor(prefix, dtype=torch.int64)
+        mask = torch.ones(ndt * bs * ndt, dtype=torch.bool)
+        positions = torch.empty(bs * ndt, dtype=torch.long)
+        ri, rn, rs = torch.full((3, bs, ndt), -1, dtype=torch.long)
+        ops.build_tree_kernel_efficient_cpu(parent_list, index, seq, mask, positions, ri, rn, rs, topk, steps, ndt, 1)
+        parents = [_parents_from_links(rn[r], rs[r]) for r in range(bs)]
+        inp = base.inputs(gen)
+        inp.update(mask=mask, positions=positions, vis=[_tree_visible(p) for p in parents], parents=parents)
+        return inp
+
+    def kernel(ops, inp):
+        return base.kernel(ops, inp) + (inp["positions"],)
+
+    def depth_positions(inp):
+        out = []
+        for r, par in enumerate(inp["parents"]):
+            for i in range(ndt):
+                d, j = 0, i
+                while par[j] >= 0:
+                    d, j = d + 1, par[j]
+                out.append(prefix[r] + d)
+        return torch.tensor(out, dtype=torch.long)
+
+    return Check(name, "build_tree_kernel_efficient_cpu + extend_attention_cpu",
+                 f"bs {bs}, prefix {'/'.join(map(str, prefix))}, EAGLE topk {topk}, steps {steps}, ndt {ndt}; "
+                 "outputs: o, positions", gemm_path(5), inputs, kernel,
+                 lambda inp: base.reference(inp) + (depth_positions(inp),),
+                 lambda inp: base.torch_bf16(inp) + (depth_positions(inp),), inputs_use_ops=True,
+                 why="SGLang's own verify tree: mask and positions from its CPU tree builder")
+
+
 def _store_cache_check():
     def inputs(gen):
         n = 37
@@ -616,6 +695,8 @@ def checks() -> list[Check]:
         _extend_check("extend_attention_cpu target verify tree n=16", (40, 500), (16, 16), tree=True),
         _extend_check("extend_attention_cpu target verify tree n=64", (200,), (64,), tree=True),
         _extend_check("extend_attention_cpu target verify tree sharp", (2000, 33), (12, 12), tree=True, sharp=6.0),
+        _sglang_tree_check("extend_attention_cpu verify, SGLang's tree (6,4,12)", (7, 300, 61), 4, 6, 12),
+        _sglang_tree_check("extend_attention_cpu verify, SGLang's tree (10,10,13)", (150, 9), 10, 10, 13),
         _store_cache_check(),
     ]
     return out
