@@ -39,7 +39,7 @@ from adaptivespec.errors import AdaptiveSpecError, ConfigError
 from adaptivespec.fusion_rules import FusionRanking, FusionRules
 from adaptivespec.params import as_tuple, int_at_least, number_in, one_of, optional_positive_int, positive_int
 from adaptivespec.protocols import Drafter, GrammarState, Runtime, Sampling
-from adaptivespec.sampling import greedy_ids, residual_draw, sibling_accept
+from adaptivespec.tree_sampling import greedy_ids, residual_draw, sibling_accept
 from adaptivespec.strategies import CandidateSource, NoParams, TreePolicy, Verifier
 from adaptivespec.tree import accepted_path, emit, greedy_matches, make_tree, path_to
 from adaptivespec.types import CandidateTrie, DraftTree, StepRecord, StepSignals, TreeShape, VerifyResult

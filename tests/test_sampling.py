@@ -166,7 +166,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test():
 
     class Naive(StrictVerifier):
         def verify(self, tree, logits):
-            from adaptivespec.sampling import earlier_siblings, residual_draw
+            from adaptivespec.tree_sampling import earlier_siblings, residual_draw
             from adaptivespec.tree import accepted_path
             from adaptivespec.tree import emit
 
