@@ -18,16 +18,8 @@ from pathlib import Path
 import pytest
 
 from adaptivespec.sglang import plugin
-from adaptivespec.sglang.api import (
-    REQUIRED_API,
-    SGLANG_VERSION,
-    Api,
-    SGLangAPIError,
-    assert_api,
-    check_api,
-    download_command,
-    extract_sources,
-)
+from adaptivespec.sglang.api import REQUIRED_API, SGLANG_VERSION, Api, SGLangAPIError
+from adaptivespec.sglang.api_check import assert_api, check_api, download_command, extract_sources
 from adaptivespec.sglang.head_config import DRAFT_MODEL_API, check_head_config, draft_config_reads
 
 NETWORK_ERRORS = (

@@ -175,9 +175,11 @@ def config_path(tmp_path):
 def load_workers(monkeypatch, ew):
     """adaptivespec.sglang.workers imported afresh over the stand-ins (its classes subclass ``ew``'s)."""
     monkeypatch.setitem(sys.modules, "sglang.srt.speculative.eagle_worker_v2", ew)
-    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers", raising=False)
+    for name in ("adaptivespec.sglang.workers", "adaptivespec.sglang.draft_worker"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     workers = importlib.import_module("adaptivespec.sglang.workers")
-    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers")  # the next test imports its own
+    for name in ("adaptivespec.sglang.workers", "adaptivespec.sglang.draft_worker"):
+        monkeypatch.delitem(sys.modules, name)  # the next test imports its own
     return workers
 
 
@@ -333,7 +335,7 @@ def test_entry_point_is_inactive_without_a_config(monkeypatch):
 def test_entry_point_fails_loudly_without_the_pinned_api(monkeypatch, config_path):
     if any(m == "sglang" for m in sys.modules):
         pytest.skip("a real sglang is imported in this process")
-    from adaptivespec.sglang import api
+    from adaptivespec.sglang import api_check as api
 
     real = api.importlib.util.find_spec  # an installed sglang (scripts/install_sglang_cpu.sh) is hidden
     monkeypatch.setattr(api.importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
@@ -361,7 +363,8 @@ def fake_hook_modules(monkeypatch, ew):
                       "sglang.srt.plugins.hook_registry": hr, "sglang.srt.speculative": spec_pkg,
                       "sglang.srt.speculative.eagle_worker_v2": ew}.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delitem(sys.modules, "adaptivespec.sglang.workers", raising=False)  # imported over these
+    for name in ("adaptivespec.sglang.workers", "adaptivespec.sglang.draft_worker"):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # imported over these
 
 
 def test_entry_point_registers_the_worker_and_the_two_wrappers(monkeypatch, config_path):

@@ -5,7 +5,8 @@ Importing this package never imports sglang: only :mod:`adaptivespec.sglang.plug
 in its own processes. One concept per module:
 
 * :mod:`~adaptivespec.sglang.api` -- the pinned SGLang release and every name the plugin touches,
-  checked statically (``ast`` over the sources) or at load time (``inspect``);
+  checked statically (``ast`` over the sources) or at load time (``inspect``) by
+  :mod:`~adaptivespec.sglang.api_check`;
   :mod:`~adaptivespec.sglang.head_config` -- which draft-head config keys SGLang reads.
 * :mod:`~adaptivespec.sglang.shapes` -- tree shapes as SGLang's worker runs them.
 * :mod:`~adaptivespec.sglang.load_model` -- the shape that gives a batch the most tokens/s.
@@ -14,9 +15,11 @@ in its own processes. One concept per module:
 * :mod:`~adaptivespec.sglang.verification` -- an adaptivespec verifier on SGLang's verify inputs.
 * :mod:`~adaptivespec.sglang.trace` and :mod:`~adaptivespec.sglang.metrics` -- what the worker
   records: a per-step trace file, Prometheus series on ``/metrics``.
-* :mod:`~adaptivespec.sglang.workers` -- the EAGLE worker subclasses (built when SGLang imports).
+* :mod:`~adaptivespec.sglang.workers` and :mod:`~adaptivespec.sglang.draft_worker` -- the EAGLE
+  worker subclasses (built when SGLang imports).
 * :mod:`~adaptivespec.sglang.plugin` -- the ``sglang.srt.plugins`` entry point and its hooks.
-* :mod:`~adaptivespec.sglang.platform` -- devices, the CPU backend's flags, the preflight check.
+* :mod:`~adaptivespec.sglang.platform` -- devices, the CPU backend's flags and mode (AMX, or the
+  AVX-512 mode whose ``cpu_shim/sitecustomize.py`` runs inside SGLang's processes), the preflight check.
 * :mod:`~adaptivespec.sglang.serve` -- ``adaptivespec serve``: the ``sglang.launch_server`` command.
 * :mod:`~adaptivespec.sglang.server` -- servers on loopback for tests, the bench and the soak.
 

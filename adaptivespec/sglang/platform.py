@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.sglang.api import SGLANG_VERSION, check_api, installed_version
+from adaptivespec.sglang.api import SGLANG_VERSION
+from adaptivespec.sglang.api_check import check_api, installed_version
 
 INSTALL_HINT = (f"install it on a CUDA machine with: pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
                 "on an x86 CPU with AMX or AVX-512 bf16: scripts/install_sglang_cpu.sh")

@@ -6,7 +6,7 @@ each of its processes (``load_plugins``: launcher, scheduler, detokenizer), then
 they registered with ``HookRegistry``. :func:`register` is ours; it does nothing unless
 ``ADAPTIVESPEC_CONFIG`` names an adaptivespec YAML (``adaptivespec serve`` sets it). Then it
 
-1. asserts the SGLang API it needs (:func:`adaptivespec.sglang.api.assert_api`) and reads the config;
+1. asserts the SGLang API it needs (:func:`adaptivespec.sglang.api_check.assert_api`) and reads the config;
 2. replaces ``EAGLEWorkerV2`` (the worker of ``--speculative-algorithm EAGLE3``: the algorithm name
    stays, so every EAGLE-3 code path stays) and its ``EagleDraftWorker`` by subclasses that keep
    a :class:`~adaptivespec.sglang.state_bank.ShapeStateBank` of captured states, one per policy
@@ -35,7 +35,7 @@ from typing import Any
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang import CONFIG_ENV
-from adaptivespec.sglang.api import assert_api
+from adaptivespec.sglang.api_check import assert_api
 from adaptivespec.sglang.controller import build_strategies
 from adaptivespec.sglang.shapes import sglang_shapes
 from adaptivespec.sglang.state_bank import KV_RESERVE, ShapeStateBank
