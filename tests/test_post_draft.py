@@ -197,7 +197,9 @@ def test_post_draft_yaml_is_lossless_on_the_real_head(greedy_reference):
     from shared_prompts import PROMPTS
 
     engine = Engine(load_config(ROOT / "configs" / "post-draft.yaml", ["runtime.dtype=float32"]))
-    sizes, levels = set(), set()
+    sizes, levels, paths = set(), set(), []
+    commit = engine.runtime.commit
+    engine.runtime.commit = lambda tree, res, hidden: (paths.append(res.path), commit(tree, res, hidden))
     for text in PROMPTS[:3]:
         ids, ref = greedy_reference(text)
         res = engine.generate_ids(ids, max_new_tokens=48)
@@ -205,3 +207,4 @@ def test_post_draft_yaml_is_lossless_on_the_real_head(greedy_reference):
         sizes |= {r.tree_size for r in res.records}
         levels |= {r.policy_state["levels"] for r in res.records}
     assert len(sizes) >= 3 and len(levels) >= 2  # the verified set and the depth really varied
+    assert any(p != list(range(len(p))) for p in paths)  # accepted paths left the first-ranked branch
