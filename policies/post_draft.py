@@ -23,7 +23,7 @@ with three changes, each aimed at why ``cost_aware`` stays near ``eagle3.yaml`` 
   by value, so this argmax over ``n`` is the exact optimum over subtrees. With sources, the fused
   ranking is cut by the same rule (``fusion_size``, inherited).
 
-Host syncs per step: one per drafted level (the level's values, at most ``topk^2`` floats) and one
+Host syncs per step: one per drafted level (the level's values and beam, at most ``topk^2 + topk`` floats) and one
 for the budget, as ``cost_aware``.
 """
 
@@ -125,12 +125,13 @@ class PostDraftPolicy(CostAwarePolicy):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
             self._source_nodes, self._head, self._probe, self._expanded = 0, None, False, []
+        k = min(shape.topk, scores.shape[0])
+        beam = torch.topk(scores, k).indices  # EAGLE's beam, best first
         v_dev = self._level_values(scores, depth, shape.topk)
-        v = v_dev.cpu().numpy().astype(np.float64)  # the level's values on the host: one sync
+        host = torch.cat([v_dev.float(), beam.float()]).cpu().numpy().astype(np.float64)  # one sync per level
+        v, beam_host = host[: scores.shape[0]], host[scores.shape[0]:].astype(np.int64)
         self._values.append(v)
         self._levels.append(v.shape[0])
-        k = min(shape.topk, v.shape[0])
-        beam = torch.topk(scores, k).indices  # EAGLE's beam, best first
         self._beam = beam
         if depth >= shape.nsteps:
             self._stop = "max_depth"
@@ -144,7 +145,7 @@ class PostDraftPolicy(CostAwarePolicy):
         pool = np.concatenate(self._values)
         _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, sum(self._expanded)), per_token_ms=self._token_ms,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
-        bv = v[beam.cpu().numpy()]  # beam values, best score first
+        bv = v[beam_host]  # beam values, best score first
         if self.params.branch:  # expand a node only if its best child could pay for its row
             keep = bv * float(self._continuation(depth + 1)) > rate * self._token_ms
             bv = bv[keep]
