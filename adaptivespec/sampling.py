@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from adaptivespec.tree_sampling import greedy_ids, residual_draw, sibling_accept  # noqa: F401 (their home before)
+from adaptivespec.tree_sampling import greedy_ids
 
 _TINY = 1e-30
 
