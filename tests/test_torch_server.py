@@ -268,6 +268,15 @@ def test_auto_picks_sglang_where_it_can_serve_else_torch_and_says_why(monkeypatc
         "adaptivespec serve: runtime torch (--runtime torch) on http://127.0.0.1:30000"
 
 
+def test_auto_serves_on_torch_what_sglang_cannot_serve(monkeypatch):
+    monkeypatch.setattr(launch, "sglang_reason", lambda: None)  # SGLang could serve here
+    args = serve_args()
+    args.config = str(HYBRID.parent / "grammar.yaml")  # sources without a draft head
+    assert launch.choose_runtime(args) == ("torch", "SGLang's worker needs a draft head for this config's sources")
+    args.runtime = "sglang"  # asked for explicitly: serve refuses it as before
+    assert launch.choose_runtime(args) == ("sglang", "--runtime sglang")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--runtime", "torch", "--print-command"], "--print-command: only with --runtime sglang"),
     (["--runtime", "torch", "--overlap"], "--overlap: only with --runtime sglang"),

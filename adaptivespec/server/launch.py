@@ -59,7 +59,7 @@ def choose_runtime(args: argparse.Namespace) -> tuple[str, str]:
             return "sglang", f"{sglang_flags[0]} is SGLang's"
         if torch_flags and not sglang_flags:
             return "torch", f"{torch_flags[0]} is the torch runtime's"
-        reason = sglang_reason()
+        reason = sglang_reason() or sglang_cannot_serve(getattr(args, "config", None))
         runtime, why = ("torch", reason.rstrip(".")) if reason else ("sglang", "sglang can serve here")
     else:
         why = f"--runtime {runtime}"
@@ -69,6 +69,20 @@ def choose_runtime(args: argparse.Namespace) -> tuple[str, str]:
         raise AdaptiveSpecError(f"{wrong[0]}: only with --runtime {other} (serving with the {runtime} runtime: {why}); "
                                 "drop the flag or pass --runtime " + other)
     return runtime, why
+
+
+def sglang_cannot_serve(config: str | None) -> str | None:
+    """Why SGLang cannot serve this config (sources without a draft head), None where it can or the
+    config does not load (``serve`` then reports that as it would)."""
+    if config is None:
+        return None
+    from adaptivespec.sglang.serve import unservable
+
+    try:
+        reason = unservable(config)
+    except AdaptiveSpecError:
+        return None
+    return reason and "SGLang's worker needs a draft head for this config's sources"
 
 
 def sglang_reason() -> str | None:
