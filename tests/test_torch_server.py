@@ -404,3 +404,18 @@ def test_the_openai_client_reads_answers_streams_and_errors(scripted):
     with pytest.raises(openai.BadRequestError, match="max_tokens: expected a positive integer, got 0"):
         client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
     assert [m.id for m in client.models.list()] == ["scripted"]
+
+
+def test_the_engine_is_built_in_the_worker_thread_and_a_failed_build_is_raised():
+    from adaptivespec.errors import AdaptiveSpecError
+
+    threads = []
+    worker = Worker(None, 1, build=lambda: threads.append(threading.current_thread()) or "engine").start()
+    assert worker.wait_ready() == "engine" and threads == [worker._thread]
+    worker.stop()
+
+    def broken():
+        raise AdaptiveSpecError("model.target: nope")
+
+    with pytest.raises(AdaptiveSpecError, match="model.target: nope"):
+        Worker(None, 1, build=broken).start().wait_ready()

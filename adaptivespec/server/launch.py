@@ -126,10 +126,14 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
     config = load_config(args.config, overrides)
     sock = _bind(args.host, args.port)
     print(first_line("torch", why, args.host, args.port), file=sys.stderr, flush=True)
-    engine = Engine(config, structured=True)
-    engine.generate_ids(engine.encode("Hello"), max_new_tokens=4)  # untimed warm-up: first-call allocations
+    def build() -> Engine:  # in the worker thread, where every forward runs (see Worker)
+        engine = Engine(config, structured=True)
+        engine.generate_ids(engine.encode("Hello"), max_new_tokens=4)  # untimed warm-up: first-call allocations
+        return engine
+
     metrics = ServerMetrics(tuple(s.name for s in config.sources) + (("head",) if config.model.drafter else ()))
-    worker = Worker(engine, args.queue_size or DEFAULT_QUEUE_SIZE, metrics)
+    worker = Worker(None, args.queue_size or DEFAULT_QUEUE_SIZE, metrics, build=build).start()
+    engine = worker.wait_ready()
     service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem)
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
     print(f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"

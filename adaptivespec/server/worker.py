@@ -23,7 +23,7 @@ import collections
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -87,9 +87,16 @@ class Job:
 class Worker:
     """The generation thread and its queue (``queue_size``: jobs that may wait behind the running one)."""
 
-    def __init__(self, engine, queue_size: int, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine, queue_size: int, metrics: ServerMetrics | None = None, *,
+                 build: Callable[[], Any] | None = None) -> None:
+        """``engine``: the engine, or None with ``build``: a function that makes it, called first
+        thing in the worker thread (:meth:`wait_ready` returns it). On a CPU the engine is best
+        built where it runs: torch ops in a thread other than the one that ran the first ones went
+        at about half speed here (bf16, 2 cores; the cause is below torch's Python API)."""
         self.engine, self.queue_size = engine, queue_size
         self.metrics = metrics or ServerMetrics()
+        self._build, self._build_error = build, None
+        self._ready = threading.Event()
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
@@ -114,6 +121,13 @@ class Worker:
             self.metrics.queue_depth.set(len(self._waiting))
             self._cond.notify()
 
+    def wait_ready(self):
+        """The engine, once the thread has built it (re-raises what building it raised)."""
+        self._ready.wait()
+        if self._build_error is not None:
+            raise self._build_error
+        return self.engine
+
     @property
     def depth(self) -> int:
         """Jobs waiting (the running one not counted)."""
@@ -135,6 +149,14 @@ class Worker:
 
     # -- the worker thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.engine is None:
+            try:
+                self.engine = self._build()
+            except BaseException as exc:  # handed to wait_ready's caller
+                self._build_error = exc
+                self._ready.set()
+                return
+        self._ready.set()
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping:
