@@ -76,7 +76,7 @@ def sglang_cannot_serve(config: str | None) -> str | None:
     config does not load (``serve`` then reports that as it would)."""
     if config is None:
         return None
-    from adaptivespec.sglang.serve import unservable
+    from adaptivespec.sglang.served_config import unservable
 
     try:
         reason = unservable(config)
