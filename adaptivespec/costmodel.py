@@ -402,15 +402,8 @@ class PathCalibration:
     """[depths + 2] fitted continuation rate per depth index (0 and 1 unused)."""
     meta: dict[str, Any] = attrs.field(factory=dict)
 
-    def head_values(self, depth: int, logp: torch.Tensor, edge: torch.Tensor) -> torch.Tensor:
-        """Calibrated acceptance of drafted nodes at one ``depth`` (``logp``/``edge``: [c] tensors on
-        the draft's device; a few elementwise ops, no host sync)."""
-        w = self.weights[HEAD]
-        row = w[min(max(depth, 1), w.shape[0]) - 1]
-        return torch.sigmoid(float(row[0]) + float(row[1]) * logp.float() + float(row[2]) * edge.float())
-
     def head_values_np(self, depth: Any, logp: Any, edge: Any) -> np.ndarray:
-        """:meth:`head_values` for nodes of mixed depths, on the host (numpy arrays)."""
+        """Calibrated acceptance of drafted nodes (host arrays; ``depth`` one int or one per node)."""
         w = self.weights[HEAD]
         rows = w[np.minimum(np.maximum(np.asarray(depth), 1), w.shape[0]) - 1]
         X = np.stack(head_features(np.asarray(logp, dtype=np.float64), np.asarray(edge, dtype=np.float64)), -1)

@@ -23,8 +23,8 @@ with three changes, each aimed at why ``cost_aware`` stays near ``eagle3.yaml`` 
   by value, so this argmax over ``n`` is the exact optimum over subtrees. With sources, the fused
   ranking is cut by the same rule (``fusion_size``, inherited).
 
-Host syncs per step: one per drafted level (the level's values and beam, at most ``topk^2 + topk`` floats) and one
-for the budget, as ``cost_aware``.
+Host syncs per step: one per drafted level (the level's scores, at most ``topk^2`` floats; values, beam
+and stop rule are a few numpy operations on the host) and one for the budget, as ``cost_aware``.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ class PostDraftPolicy(CostAwarePolicy):
 
     def reset(self) -> None:
         super().reset()
-        self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # (scores, values) of the last level
-        self._beam = None
+        self._prev: tuple[np.ndarray, np.ndarray] | None = None  # (scores, values) of the last level, on the host
+        self._beam_host = np.zeros(0, dtype=np.int64)  # the last level's expanded nodes
         self._expanded: list[int] = []
 
     # -- the level rule: values, branching, stop ---------------------------------------------------
@@ -110,46 +110,44 @@ class PostDraftPolicy(CostAwarePolicy):
         """The fitted continuation rates (no online state: cost_aware's look-ahead reads these)."""
         return self._cont[np.minimum(idx, self._cont.shape[0] - 1)]
 
-    def _level_values(self, scores: torch.Tensor, depth: int, k: int) -> torch.Tensor:
-        """Calibrated values of a level's candidates, each capped by its parent's: [c] on the draft's device."""
+    def _level_values(self, s: np.ndarray, depth: int, k: int) -> np.ndarray:
+        """Calibrated values of a level's candidates (``s``: their scores on the host), each capped by its parent's."""
         if depth == 1 or self._prev is None:
-            parent_score, parent_value = torch.zeros_like(scores), torch.ones_like(scores)
+            ps, pv = 0.0, 1.0
         else:
-            par = self._beam.repeat_interleave(k)  # every expanded node proposes k children, in beam order
-            parent_score, parent_value = self._prev[0][par], self._prev[1][par]
-        v = torch.minimum(self.cal.head_values(depth, scores, scores - parent_score), parent_value.float())
-        self._prev = (scores, v)
+            par = np.repeat(self._beam_host, k)  # every expanded node proposes k children, in beam order
+            ps, pv = self._prev[0][par], self._prev[1][par]
+        v = np.minimum(self.cal.head_values_np(depth, s, s - ps), pv)
+        self._prev = (s, v)
         return v
 
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
             self._source_nodes, self._head, self._probe, self._expanded = 0, None, False, []
-        k = min(shape.topk, scores.shape[0])
-        beam = torch.topk(scores, k).indices  # EAGLE's beam, best first
-        v_dev = self._level_values(scores, depth, shape.topk)
-        host = torch.cat([v_dev.float(), beam.float()]).cpu().numpy().astype(np.float64)  # one sync per level
-        v, beam_host = host[: scores.shape[0]], host[scores.shape[0]:].astype(np.int64)
+        s = scores.float().cpu().numpy().astype(np.float64)  # the level's scores on the host: one sync
+        k = min(shape.topk, s.shape[0])
+        order = np.argsort(-s, kind="stable")[:k]  # EAGLE's beam, best first
+        v = self._level_values(s, depth, shape.topk)
         self._values.append(v)
         self._levels.append(v.shape[0])
-        self._beam = beam
+        self._beam_host = order
+        full = torch.from_numpy(order).to(scores.device)
         if depth >= shape.nsteps:
             self._stop = "max_depth"
-            return None, beam
+            return None, full
         if self._forced:
             self._stop = "breaker"
             self._expanded.append(k)
-            return None, beam
+            return None, full
         c = self.cost
-        levels = depth - 1
-        pool = np.concatenate(self._values)
-        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, sum(self._expanded)), per_token_ms=self._token_ms,
+        pool = np.concatenate(self._values) if depth > 1 else v
+        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(depth - 1, sum(self._expanded)), per_token_ms=self._token_ms,
                                    min_keep=1, max_keep=self.buckets[-1] - 1)
-        bv = v[beam_host]  # beam values, best score first
+        bv = v[order]  # beam values, best score first
         if self.params.branch:  # expand a node only if its best child could pay for its row
-            keep = bv * float(self._continuation(depth + 1)) > rate * self._token_ms
-            bv = bv[keep]
-            beam = beam[torch.from_numpy(np.flatnonzero(keep)).to(beam.device)]
+            order = order[bv * float(self._continuation(depth + 1)) > rate * self._token_ms]
+            bv = v[order]
         if bv.shape[0] == 0:
             margin = 0.0
         elif self.params.lookahead:
@@ -160,10 +158,10 @@ class PostDraftPolicy(CostAwarePolicy):
         self._level_gain.append(margin)
         if margin <= 0:
             self._stop = "cost"
-            return None, beam[:0]
-        self._beam = beam
-        self._expanded.append(int(beam.shape[0]))
-        return None, beam
+            return None, full[:0]
+        self._beam_host = order
+        self._expanded.append(int(order.shape[0]))
+        return None, full if order.shape[0] == k else torch.from_numpy(order).to(scores.device)
 
     # -- fusion: the head's values and each source's own calibrated estimate ----------------------
     def fusion_scores(self, head: DraftTree) -> list[float]:

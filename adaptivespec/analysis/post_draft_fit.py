@@ -274,15 +274,19 @@ def replay(held: list[dict], cal_path: Path, profile: str | None, workdir: Path)
     best = min(static, key=static.get)
     eagle = TreeShape(3, 4, 8)
     orc = sum(oracle(acc, times, shapes) for acc in acc_all)
-    post = yaml.safe_load((CONFIGS / "post-draft.yaml").read_text())
-    post["policy"]["calibration"] = str(cal_path.resolve())
-    post_path = workdir / "post-draft-replay.yaml"
-    post_path.write_text(yaml.safe_dump(post))
+    paths = {}
+    for name, file in (("cost_aware", "cost-aware.yaml"), ("post_draft", "post-draft.yaml")):
+        cfg = yaml.safe_load((CONFIGS / file).read_text())
+        cfg["policy"]["profile"] = profile and str(Path(profile).resolve())  # the policies price steps as the replay does
+        if name == "post_draft":
+            cfg["policy"]["calibration"] = str(cal_path.resolve())
+        paths[name] = workdir / f"{name}-replay.yaml"
+        paths[name].write_text(yaml.safe_dump(cfg))
     trees = {TOPK: [lab["trees"] for lab in held]}
     p1 = [lab["p1"] for lab in held]
     out = {"positions": tokens, "best_static": {"shape": [best.nsteps, best.topk, best.ndt], "tok_per_s": tokens / static[best]},
            "eagle3": {"tok_per_s": tokens / static[eagle]}, "oracle": {"tok_per_s": tokens / orc}}
-    for name, path in (("cost_aware", CONFIGS / "cost-aware.yaml"), ("post_draft", post_path)):
+    for name, path in paths.items():
         r = replay_in_step(str(path), trees, p1, coef)
         out[name] = {"tok_per_s": r["accept_length"] * r["steps"] / r["seconds"], **r}
     gain = out["oracle"]["tok_per_s"] / out["best_static"]["tok_per_s"] - 1.0
