@@ -107,12 +107,12 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
     # the test really exercised acceptance (the shipped DCS ends and the cost-aware policy, whose
     # calibration prior is the real head's, include depth-1 trees: less per step)
     assert tokens / forwards > (1.5 if policy in ("dcs-shipped", "cost-aware-shipped", "post-draft-shipped") else 1.8)
-    # and accepted paths that are not the first-ranked chain (post_draft verifies only the chain of this
-    # head's boosted top-1 tokens, its siblings being worth less than a row: tests/test_post_draft.py checks
-    # its branches on the real head)
+    # post_draft values this head's root distribution (not boosted: p ~ 0.003) as worth one row and
+    # stops drafting there, so its trees are the root's best child; tests/test_post_draft.py checks its
+    # varying depth, budget and branches losslessly on the real head
     if any(s.topk > 1 for s in shapes) and policy != "post-draft-shipped":
-        assert any(p != list(range(len(p))) for p in paths)
-    if policy.startswith(("cost", "post")):  # the verify budget really varied within the one drafting shape
+        assert any(p != list(range(len(p))) for p in paths)  # accepted paths that are not the first-ranked chain
+    if policy.startswith("cost"):  # the verify budget really varied within the one drafting shape
         assert len(sizes) >= 3
     if policy.startswith("dcs"):  # the policy really switched shapes
         assert len(shapes) >= (3 if policy == "dcs" else 2)
