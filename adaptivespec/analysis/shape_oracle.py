@@ -292,8 +292,6 @@ def replay_in_step(path: str, trees_all: dict, p1_by, coef) -> dict:
                 nxt = (depth == d + 1).nonzero().squeeze(1)
                 r = rank[parents[nxt]]
                 lvl = nxt[r >= 0][torch.sort(r[r >= 0], stable=True).indices]
-                if lvl.numel() != beam.numel() * shape.topk:  # a tie put another node in EAGLE's beam: stop here
-                    break
             cand = torch.cat(visited) if visited else torch.zeros(0, dtype=torch.long)  # pool order
             kept = torch.sort(cand[policy.select_final(logp[cand], shape)]).values
             nodes = torch.cat([torch.zeros(1, dtype=torch.long), kept])
