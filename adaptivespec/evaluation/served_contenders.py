@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from transformers import AutoTokenizer
 
 from adaptivespec.config import Config
 from adaptivespec.constraints import openai_response_format, sglang_sampling_params
@@ -29,14 +28,14 @@ from adaptivespec.decode import GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.contenders import generate_untimed, warmup_problems
 from adaptivespec.evaluation.datasets import Problem
-from adaptivespec.evaluation.spec import config_lossless, sampling_seed
-from adaptivespec.models import EMBEDDED, embedded_folder, encode_prompt
+from adaptivespec.evaluation.sglang_contenders import ConfigPrompts
+from adaptivespec.evaluation.spec import config_lossless
 from adaptivespec.server.launch import torch_command
 
 SERVED_SUFFIX = "-served"
 
 
-class TorchServedContender:
+class TorchServedContender(ConfigPrompts):
     """One ``serve --runtime torch`` server in a bench run; a
     :class:`~adaptivespec.evaluation.contenders.Contender`."""
 
@@ -53,19 +52,6 @@ class TorchServedContender:
         self.server = SGLangServer(torch_command(config_path, self.port), dict(os.environ), log, timeout=600)
         self.server.start()
         self.server.pause()
-
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            target = self.config.model.target
-            self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
-        return self._tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
-
-    def seed_for(self, index: int) -> int | None:
-        return sampling_seed(self.config, index)
 
     def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
         generate_untimed(self, warmup_problems(problems), max_new_tokens)

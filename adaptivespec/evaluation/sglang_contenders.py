@@ -46,7 +46,28 @@ BENCH_KV_TOKENS = 16384
 """``--max-total-tokens`` of each bench server (several run side by side; one prompt at a time)."""
 
 
-class SGLangContender:
+class ConfigPrompts:
+    """The prompt side of a contender served over HTTP: the config's target tokenizer (loaded once, on
+    first use), its chat template and its sampling seeds. Needs ``self.config`` and ``self._tokenizer``."""
+
+    config: Config
+    _tokenizer: Any = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            target = self.config.model.target
+            self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
+
+    def seed_for(self, index: int) -> int | None:
+        return sampling_seed(self.config, index)
+
+
+class SGLangContender(ConfigPrompts):
     """One SGLang server in a bench run: a peer mode or a config served through the plugin; a
     :class:`~adaptivespec.evaluation.contenders.Contender`."""
 
@@ -77,19 +98,6 @@ class SGLangContender:
 
 
     # -- the bench's contender interface ----------------------------------------------------------
-    @property
-    def tokenizer(self):
-        if self._tokenizer is None:
-            target = self.config.model.target
-            self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
-        return self._tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template)
-
-    def seed_for(self, index: int) -> int | None:
-        return sampling_seed(self.config, index)
-
     def warm_up(self, problems: list[Problem], max_new_tokens: int, formats: Iterable[Any] = ()) -> None:
         """Warm up on every prompt, then flush the prefix cache: SGLang's CPU backend compiles kernels
         per new prompt length and batch size on first use (stalls of 90-200 s were seen inside timed
