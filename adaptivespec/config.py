@@ -19,7 +19,7 @@ import attrs
 import yaml
 
 from adaptivespec.errors import ConfigError, UnknownStrategyError
-from adaptivespec.params import number_in, one_of, positive_int, structure
+from adaptivespec.params import int_at_least, number_in, one_of, positive_int, structure
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.response_format import ResponseFormat
 
@@ -46,6 +46,9 @@ class RuntimeConfig:
     """Weights and activations dtype."""
     threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     """torch intra-op threads (null: torch's default)."""
+    prefill_chunk: int = attrs.field(default=1024, validator=int_at_least(0))
+    """Prompt tokens per prefill forward (0: the whole prompt in one): a long prompt runs in chunks
+    of this many tokens, so a prefill's activations stay bounded whatever the prompt's length."""
 
 
 @attrs.frozen(kw_only=True)

@@ -26,7 +26,10 @@ plain decoding (token for token with ``strict`` at temperature 0, in distributio
 
 from __future__ import annotations
 
+import collections
+
 import json
+import threading
 import time
 from typing import Any
 
@@ -39,7 +42,11 @@ __all__ = ["Constraint", "GrammarBackend", "ResponseFormat", "ResponseFormatErro
 
 
 class GrammarBackend:
-    """xgrammar's tokenizer info and compiler for one tokenizer; compiled grammars cached."""
+    """xgrammar's tokenizer info and compiler for one tokenizer; the last :attr:`cache_size`
+    compiled grammars kept (a server meets schemas without end: its memory must not follow them)."""
+
+    cache_size = 64
+    """Compiled grammars kept, least recently used dropped first."""
 
     _shared: dict[tuple[int, int | None], "GrammarBackend"] = {}
 
@@ -59,8 +66,11 @@ class GrammarBackend:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.vocab_size = self.info.vocab_size
         self.decoded = self.info.decoded_vocab  # [V] bytes (a copy: built once)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max(1, min(4, torch.get_num_threads())))
-        self._compiled: dict[tuple, Any] = {}
+        # xgrammar's own cache has no bound by default: the one here (by response format) replaces it
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max(1, min(4, torch.get_num_threads())),
+                                            cache_enabled=False)
+        self._compiled: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
         self._prefixes: set[bytes] | None = None
 
     @property
@@ -72,9 +82,18 @@ class GrammarBackend:
 
     def compile(self, fmt: ResponseFormat):
         k = fmt.key()
-        if k not in self._compiled:
-            self._compiled[k] = self.compiler.compile_grammar(grammar_of(fmt))
-        return self._compiled[k]
+        with self._lock:  # the server compiles in its request threads and in the generation thread
+            compiled = self._compiled.get(k)
+            if compiled is not None:
+                self._compiled.move_to_end(k)
+                return compiled
+        compiled = self.compiler.compile_grammar(grammar_of(fmt))
+        with self._lock:
+            self._compiled[k] = compiled
+            self._compiled.move_to_end(k)
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def constraint(self, fmt: ResponseFormat, rows: int = 64) -> "Constraint":
         return Constraint(self, self.compile(fmt), rows)

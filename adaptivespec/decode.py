@@ -115,6 +115,15 @@ class Engine:
     def lossless(self) -> bool:
         return self.config.autoregressive or self.verifier.lossless
 
+    def reserve(self, positions: int) -> None:
+        """Size every buffer a generation writes for ``positions`` context positions (prompt plus
+        generated tokens) now, rather than at the first prefill that needs them; later generations
+        that fit reuse them. A server calls it at start-up with its context length. A runtime
+        without ``reserve`` sizes its buffers per generation."""
+        reserve = getattr(self.runtime, "reserve", None)
+        if reserve is not None:
+            reserve(positions)
+
     def forget(self) -> None:
         """Drop what the candidate sources remembered across generations (their output caches)."""
         self.proposer.forget()

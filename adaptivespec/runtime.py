@@ -21,7 +21,7 @@ from adaptivespec.fastpath.attention import use_tree_sdpa
 from adaptivespec.fastpath.bank import ShapeBank
 from adaptivespec.fastpath.drafter import fast_drafter
 from adaptivespec.fastpath.forward import fast_forward
-from adaptivespec.fastpath.kvcache import buffered_cache
+from adaptivespec.fastpath.kvcache import buffered_cache, empty, reusable
 from adaptivespec.fastpath.prepack import prepack_linears
 from adaptivespec.models import cache_forward
 from adaptivespec.sampling import pick_next, root_stats
@@ -82,6 +82,9 @@ class TorchRuntime:
         self.root_state: torch.Tensor | None = None  # [H]
         self.root_logp: torch.Tensor | None = None  # [Vd]
         self.bank: ShapeBank | None = None
+        runtime = getattr(config, "runtime", None)
+        self.prefill_chunk = getattr(runtime, "prefill_chunk", 0) or 0
+        """Prompt tokens per prefill forward (0: the whole prompt at once)."""
 
     def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0) -> ShapeBank:
         """Build the shape bank: one executor per shape the policy may choose, before decoding.
@@ -91,30 +94,52 @@ class TorchRuntime:
         return self.bank
 
     # -- prefill --------------------------------------------------------------------------------
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` context positions (prompt, generated tokens and one verify tree)
+        in every buffer a generation writes: the target's KV cache, the drafter's, the shape bank's
+        masks. Allocated (and zeroed, so resident) here, then reused by every generation that fits;
+        a longer one grows them at its prefill. A server calls this at start-up with its context
+        length, so its memory reaches its high-water mark before the first request."""
+        rows = max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows if self.bank is not None else 0
+        positions += rows + 1
+        if self.bank is not None:
+            self.bank.reserve(positions)
+        if not reusable(self.cache, positions):
+            self.cache = None  # the old buffers go before the new ones are taken
+            self.cache = buffered_cache(self.target.config, positions, dtype=self.dtype, device=self.device)
+        if self.drafter is not None:
+            self.drafter.reset_cache(capacity=positions)
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0) -> int:
         """Run the prompt; returns the first generated token (the target's greedy choice, or a
         draw from its sampling distribution when a sampler is set).
 
-        The shape bank's buffers are grown here, once, to cover the whole generation.
+        The caches and the shape bank's buffers are sized here, once, for the whole generation
+        (:meth:`reserve`; reused when they already fit). The prompt runs in chunks of
+        ``runtime.prefill_chunk`` tokens, the drafter following each chunk (its position ``i`` reads
+        token ``i + 1``: the next chunk's first token, or the first generated one at the end).
         """
-        rows = max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows if self.bank is not None else 0
-        length = len(prompt_ids) + (max_new_tokens or 1024) + rows + 1
-        if self.bank is not None:
-            self.bank.reserve(length)
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, n]
-        self.cache = buffered_cache(self.target.config, length)  # appends in place (no per-step copy)
-        need_hidden = self.drafter is not None
-        out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=need_hidden, logits_to_keep=1)
-        self.root = self._pick(out.logits[0, -1])
-        self.P = ids.shape[1]
-        if need_hidden:
-            d = self.drafter
-            d.reset_cache(capacity=self.P + 512)
-            state = d.fuse(out.hidden_states)[0]  # [n, H]
-            tokens = torch.cat([ids[0, 1:], self.root.reshape(1)])  # token[i+1] for position i
-            positions = torch.arange(self.P, device=self.device)
-            self._set_root(d.step(tokens, state, positions, None)[-1])
+        n = len(prompt_ids)
+        self.reserve(n + (max_new_tokens or 1024))
+        self.cache = empty(self.cache)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)  # [n]
+        d = self.drafter  # emptied by reserve
+        chunk = self.prefill_chunk or n
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            out = self.forward(input_ids=ids[start:end].unsqueeze(0), cache=self.cache, use_cache=True,
+                               output_hidden_states=d is not None, logits_to_keep=1)
+            if end == n:
+                self.root = self._pick(out.logits[0, -1])
+            if d is not None:
+                state = d.fuse(out.hidden_states)[0]  # [end - start, H]
+                tokens = ids[start + 1 : end + 1] if end < n else torch.cat([ids[start + 1 :], self.root.reshape(1)])
+                positions = torch.arange(start, end, device=self.device)
+                last = d.step(tokens, state, positions, None)[-1]
+        self.P = n
+        if d is not None:
+            self._set_root(last)
         return int(self.root)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:

@@ -198,3 +198,50 @@ def test_fold_mask_gives_grouped_attention_over_a_long_cache():
     assert fastforward._fold_mask(mask, n, 3, fastforward.FOLD_MIN_KEYS - 1) is None
     assert fastforward._fold_mask(mask, 25, 3, keys) is None  # 75 folded rows: no longer pays
     assert fastforward._fold_mask(None, n, 3, keys) is None and fastforward._fold_mask(mask, n, 1, keys) is None
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_chunk_after_a_prefix_attends_as_one_masked_call(dtype, tol):
+    """attend_after_prefix (the prefix with heads folded into rows, the chunk causal, merged by
+    log-sum-exp) against one masked SDPA call over every key, in float32 for the reference."""
+    if fastforward._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash-attention kernel")
+    torch.manual_seed(3)
+    past, n = 1100, 70
+    q = torch.randn(1, 9, n, 64)
+    k, v = torch.randn(1, 3, past + n, 64), torch.randn(1, 3, past + n, 64)
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)[None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    got = fastforward.attend_after_prefix(q.to(dtype), k.to(dtype), v.to(dtype), past)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+
+
+def test_a_chunked_prefill_through_the_fused_forward_follows_transformers(monkeypatch):
+    """A prompt prefilled in chunks (the later ones through attend_after_prefix, its thresholds
+    lowered to this tiny model): transformers' chunked logits and hidden states to bfloat16 rounding."""
+    monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    if fastforward._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash-attention kernel")
+    monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 16)
+    monkeypatch.setattr(fastforward, "SPLIT_MIN_ROWS", 8)
+    model = tiny()
+    needs_prepack(model)
+    ff = FastLlama(model, sgl=None)
+    calls = []
+    real = fastforward.attend_after_prefix
+    monkeypatch.setattr(fastforward, "attend_after_prefix", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+
+    @torch.inference_mode()
+    def run(forward):
+        torch.manual_seed(4)
+        ids = torch.randint(0, 320, (1, 60))
+        cache = buffered_cache(model.config, capacity=64)
+        return [forward(input_ids=ids[:, s:s + 20], cache=cache, use_cache=True, output_hidden_states=True)
+                for s in range(0, 60, 20)]
+
+    ref, got = run(model), run(ff)
+    assert calls == [20] * 3 + [40] * 3  # the second and third chunks, in each of the 3 layers
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g.logits.float(), r.logits.float(), rtol=0, atol=0.05)
+        assert (g.logits.argmax(-1) == r.logits.argmax(-1)).float().mean() >= 0.95

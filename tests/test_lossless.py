@@ -173,3 +173,29 @@ def test_retrieval_configs_are_lossless(name, greedy_reference):
         assert max(sizes) <= max(policy.buckets) + engine.sources[0].extra_slots() and len(sizes) >= 3
     else:
         assert max(sizes) > policy.ndt if engine.sources[0].extra_slots() else max(sizes) <= policy.ndt
+
+
+# -- chunked prefill and caches reused across generations -------------------------------------------
+def test_chunked_prefill_with_reused_caches_is_lossless(greedy_reference):
+    """A prompt prefilled in chunks of 5 tokens (the drafter following each chunk), into caches
+    reserved once and reused by every generation: transformers' greedy output, and the drafter's
+    first distribution as after a one-forward prefill."""
+    whole = Engine(load_config(None, ["runtime.dtype=float32", "runtime.prefill_chunk=0"]))
+    chunked = Engine(load_config(None, ["runtime.dtype=float32", "runtime.prefill_chunk=5"]))
+    chunked.reserve(400)
+    buffers = chunked.runtime.cache.layers[0]._k.data_ptr(), chunked.runtime.drafter._k.data_ptr()
+    accepted = 0
+    for text in (*PROMPTS, PROMPTS[0]):  # lengths up and down, the first one again last
+        ids, ref = greedy_reference(text)
+        assert len(ids) > 5
+        assert whole.runtime.prefill(ids, 48) == chunked.runtime.prefill(ids, 48) == ref[0]
+        torch.testing.assert_close(chunked.runtime.root_logp, whole.runtime.root_logp, rtol=1e-4, atol=1e-4)
+        assert chunked.runtime.drafter.length == whole.runtime.drafter.length == len(ids)
+        res = chunked.generate_ids(ids, max_new_tokens=48)
+        assert res.token_ids == ref, text
+        # the head drafts from the chunked prefill's states as from the whole one's: the same steps
+        assert [r.accepted for r in res.records] == [r.accepted for r in whole.generate_ids(ids, max_new_tokens=48).records]
+        accepted += len(res.token_ids) - len(res.records)
+    assert accepted > 20  # drafted tokens were accepted
+    # every generation fitted the reserved room: nothing was allocated again
+    assert (chunked.runtime.cache.layers[0]._k.data_ptr(), chunked.runtime.drafter._k.data_ptr()) == buffers

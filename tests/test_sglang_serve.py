@@ -126,6 +126,17 @@ def test_print_command(config, capsys, monkeypatch):
     assert line.endswith("--disable-overlap-schedule --enable-metrics --mem-fraction-static 0.8")
 
 
+def test_context_length_becomes_sglangs_own_flag_once(config, capsys, monkeypatch):
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    base = ["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]
+    assert serve.run_serve(parse([*base, "--context-length", "4096"])) == 0
+    assert capsys.readouterr().out.strip().endswith("--context-length 4096")
+    # given to SGLang by hand as well: SGLang's value stands, the flag is not repeated
+    assert serve.run_serve(parse([*base, "--context-length", "4096", "--", "--context-length", "2048"])) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("--context-length 2048") and line.count("--context-length") == 1
+
+
 def test_cli_subcommand_prints_the_command(config, capsys):
     cli = pytest.importorskip("adaptivespec.cli")
     code = cli.main(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"])

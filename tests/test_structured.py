@@ -189,6 +189,26 @@ def test_tree_sampling_is_not_poisoned_by_an_unreachable_node(backend):
     assert accepted >= 48, accepted
 
 
+def test_compiled_grammars_are_kept_up_to_the_cache_size_least_recently_used_first(backend, monkeypatch):
+    monkeypatch.setattr(backend, "cache_size", 3)
+    monkeypatch.setattr(backend, "_compiled", type(backend._compiled)())
+    compiles = []
+    real = backend.compiler.compile_grammar
+    monkeypatch.setattr(backend.compiler, "compile_grammar", lambda g: compiles.append(g) or real(g), raising=False)
+
+    def fmt(i):
+        return ResponseFormat(type="json_schema", schema={"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+
+    first = backend.compile(fmt(0))
+    for i in (1, 2, 0, 3):  # 0 used again before 3 comes: 1 is the least recently used
+        backend.compile(fmt(i))
+    assert len(compiles) == 4 and len(backend._compiled) == 3
+    assert backend.compile(fmt(0)) is first and len(compiles) == 4  # kept
+    backend.compile(fmt(1))  # dropped: compiled again
+    assert len(compiles) == 5 and len(backend._compiled) == 3
+    assert backend.compiler.get_cache_size_bytes() == 0  # xgrammar's own (unbounded) cache is off
+
+
 def test_forced_tokens_follow_the_grammar(backend):
     c = backend.constraint(ResponseFormat(type="json_schema", schema=SCHEMA))
     c.accept(backend.tokenizer.encode('{"name": "Ann", "age": 3', add_special_tokens=False))

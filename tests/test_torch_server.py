@@ -5,6 +5,7 @@ seeded sampling that reproduces, structured output, and a server that keeps serv
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -244,6 +245,55 @@ def test_sampling_on_a_verifier_without_a_sampling_form_is_a_400():
         service.prepare(json.dumps({**CHAT, "max_tokens": 63}).encode(), True)
     with pytest.raises(RequestError, match=r"^messages: the prompt is 70 tokens; .*context length of 64 tokens$"):
         service.prepare(json.dumps({"messages": [{"role": "user", "content": "x" * 70}]}).encode(), True)
+
+
+def test_a_served_context_length_bounds_requests_and_may_not_exceed_the_models():
+    from adaptivespec.errors import AdaptiveSpecError
+    from adaptivespec.server.launch import served_context
+
+    engine = ScriptedEngine()  # the model's context: 64
+    service = Service(engine=engine, worker=Worker(engine, 1), metrics=ServerMetrics(), model="x", context_length=20)
+    assert service.context == 20
+    with pytest.raises(RequestError, match=r"^max_tokens: expected at most 18 \(the context length 20 less the prompt's 2 tokens\), got 19$"):
+        service.prepare(json.dumps({**CHAT, "max_tokens": 19}).encode(), True)
+    with pytest.raises(RequestError, match=r"^messages: the prompt is 30 tokens; expected fewer than the served context length of 20 tokens$"):
+        service.prepare(json.dumps({"messages": [{"role": "user", "content": "x" * 30}]}).encode(), True)
+    assert served_context(engine, None) == 64 and served_context(engine, 32) == 32
+    with pytest.raises(AdaptiveSpecError, match=r"^--context-length: expected at most 64 \(the model's context length\), got 65$"):
+        served_context(engine, 65)
+
+
+def test_the_worker_trims_the_heap_after_each_generation_unless_told_not_to(monkeypatch):
+    from adaptivespec.server import worker as worker_mod
+
+    if worker_mod._malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim here")
+    calls = []
+    monkeypatch.setattr(worker_mod, "_malloc_trim", lambda: lambda pad: calls.append(pad))
+    for trim, expected in ((True, [0, 0]), (False, [])):
+        calls.clear()
+        engine, metrics = ScriptedEngine(), ServerMetrics()
+        w = Worker(engine, 2, metrics, trim=trim).start()
+        loop = asyncio.new_event_loop()
+        try:
+            for _ in range(2):
+                job = Job(prompt_ids=[1, 2], max_tokens=3, loop=loop)
+                w.submit(job)
+                assert loop.run_until_complete(asyncio.wait_for(drain(job), 10)) == "done"
+            assert wait_for(lambda: len(calls) == len(expected))
+            assert calls == expected
+            assert ('adaptivespec_server_trim_seconds_count %.1f' % len(expected)) in metrics.render().decode()
+        finally:
+            w.stop()
+            loop.close()
+
+
+async def drain(job) -> str:
+    """The kind of ``job``'s last event."""
+    while True:
+        kind, _ = await job.events.get()
+        if kind != "tokens":
+            return kind
 
 
 # -- the runtime choice -----------------------------------------------------------------------------

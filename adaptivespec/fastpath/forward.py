@@ -85,6 +85,35 @@ def fold_rows(mask: torch.Tensor, n: int, groups: int, keys: int) -> torch.Tenso
     return mask[:, :, :, :keys].expand(1, groups, n, keys).reshape(1, 1, groups * n, keys)
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+SPLIT_MIN_ROWS = 64
+"""A causal chunk after a cached prefix (a chunked prefill's later chunks) of at least this many
+rows, after at least :data:`FOLD_MIN_KEYS` cached keys, runs :func:`attend_after_prefix` ..."""
+
+
+def attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
+                        scale: float | None = None) -> torch.Tensor | None:
+    """Causal attention of ``n`` new rows at positions ``past..past+n-1`` (q [1, H, n, D]) over the
+    cache (keys / values [1, Hkv, past + n, D]) as two flash-attention calls merged by their
+    log-sum-exp: the cached prefix, which every row sees whole (heads folded into rows, no mask),
+    and the chunk itself, causal. One masked call over all keys computes the masked-out upper
+    triangle too: on a 2-core AMX Xeon a 2,048-row chunk after 2,048 keys took 35.8 ms per layer
+    masked, 25.1 split (512 rows after 7,680 keys: 18.9 against 14.5). Agrees with it to bfloat16
+    rounding. CPU tensors only, where torch has the CPU flash kernel (``_FLASH_CPU``)."""
+    _, H, n, D = q.shape
+    Hkv = keys.shape[1]
+    g = H // Hkv
+    o1, l1 = _FLASH_CPU(q.reshape(1, Hkv, g * n, D), keys[:, :, :past], values[:, :, :past], scale=scale)[:2]
+    kc, vc = keys[:, :, past:], values[:, :, past:]
+    if g > 1:
+        kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
+    o2, l2 = _FLASH_CPU(q, kc, vc, is_causal=True, scale=scale)[:2]
+    l1 = l1.reshape(1, H, n)
+    lse = torch.logaddexp(l1, l2)
+    out = o1.reshape(1, H, n, D).float() * torch.exp(l1 - lse).unsqueeze(-1)
+    return out.addcmul_(o2.float(), torch.exp(l2 - lse).unsqueeze(-1)).to(q.dtype)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
            folded: torch.Tensor | None, causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Grouped-query attention of ``q`` [1, H, n, D] over ``keys`` / ``values`` [1, Hkv, S, D] -> [1, H, n, D]:
@@ -184,12 +213,14 @@ class FastLlama:
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [n, 1, D]
         keep = (lambda t: t.clone()) if self.sgl is not None else (lambda t: t)  # sgl adds into h in place
         hidden = [keep(h)] if output_hidden_states else None
-        mask, causal = None, False
+        mask, causal, split = None, False, False
         if attention_mask is not None:
             mask = attention_mask
         elif n > 1:
             if past == 0:
                 causal = True
+            elif n >= SPLIT_MIN_ROWS and past >= FOLD_MIN_KEYS and _FLASH_CPU is not None and ids.device.type == "cpu":
+                split = True  # a later chunk of a chunked prefill: attend_after_prefix
             else:  # rows past..past+n-1 see everything before them
                 visible = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
                 mask = visible[None, None]
@@ -206,7 +237,10 @@ class FastLlama:
             k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = qkv[:, qs + ks:].view(n, Hkv, D).transpose(0, 1).unsqueeze(0)
             keys, values = layers[i].update(k, v)
-            attn = attend(q, keys, values, mask, folded, causal, self.scale)
+            if split:
+                attn = attend_after_prefix(q, keys, values, past, self.scale)
+            else:
+                attn = attend(q, keys, values, mask, folded, causal, self.scale)
             o = L.o(attn[0].transpose(0, 1).reshape(n, qs))
             if sgl is not None:
                 sgl.fused_add_rmsnorm_cpu(o, h, L.w_post, L.eps_post)  # h += o; o = rmsnorm(h)

@@ -28,10 +28,16 @@ class BufferedLayer(DynamicLayer):
         self._v: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
         b, h, _, d = key_states.shape
-        self._k = key_states.new_empty(b, h, self.capacity, d)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.allocate(b, h, d, value_states.shape[-1], key_states.dtype, key_states.device, zero=False)
+
+    def allocate(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype, device,
+                 *, zero: bool = True) -> None:
+        """Allocate the buffers now (``zero``: written once, so their pages are resident from here on)."""
+        new = torch.zeros if zero else torch.empty
+        self.device = torch.device(device)
+        self._k = new(batch, heads, self.capacity, key_dim, dtype=dtype, device=device)
+        self._v = new(batch, heads, self.capacity, value_dim, dtype=dtype, device=device)
         self.length = 0
         self.is_initialized = True
         self._view()
@@ -78,9 +84,31 @@ class BufferedLayer(DynamicLayer):
             self._view()
 
 
-def buffered_cache(config, capacity: int) -> DynamicCache:
-    """A ``DynamicCache`` for ``config``'s model whose layers are :class:`BufferedLayer` s of ``capacity`` rows."""
+def buffered_cache(config, capacity: int, *, dtype: torch.dtype | None = None, device=None) -> DynamicCache:
+    """A ``DynamicCache`` for ``config``'s model whose layers are :class:`BufferedLayer` s of ``capacity`` rows.
+
+    With ``dtype`` the buffers are allocated (zeroed) here rather than at the first forward."""
     cache = DynamicCache(config=config)
     # only plain full-attention layers (sliding-window and other kinds keep their own logic)
     cache.layers = [BufferedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    if dtype is not None:
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for layer in cache.layers:
+            if isinstance(layer, BufferedLayer):
+                layer.allocate(1, heads, head_dim, head_dim, dtype, device)
+    return cache
+
+
+def reusable(cache: DynamicCache | None, positions: int) -> bool:
+    """``cache`` holds only :class:`BufferedLayer` s, each with room for ``positions`` rows: a new
+    generation can reuse it (:func:`empty` it) instead of allocating one."""
+    return cache is not None and all(isinstance(layer, BufferedLayer) and layer.capacity >= positions
+                                     for layer in cache.layers)
+
+
+def empty(cache: DynamicCache) -> DynamicCache:
+    """``cache`` with every layer's length set back to 0 (its buffers kept)."""
+    for layer in cache.layers:
+        layer.reset()
     return cache

@@ -35,6 +35,11 @@ DISCONNECT_POLL_S = 0.25
 """How often a non-streamed request checks whether its client is still there."""
 
 
+def model_context(engine) -> int:
+    """The target's context length (``max_position_embeddings``; 8192 where its config has none)."""
+    return int(getattr(engine.target.config, "max_position_embeddings", 0) or 8192)
+
+
 @attrs.define(eq=False)
 class Service:
     """What the routes share: the engine (read-only here), its worker and metrics, the model's name."""
@@ -43,11 +48,13 @@ class Service:
     worker: Worker
     metrics: ServerMetrics
     model: str
+    context_length: int | None = None
+    """The served context (prompt plus generated tokens); None: the model's (:func:`model_context`)."""
     started: int = attrs.Factory(lambda: int(time.time()))
 
     @property
     def context(self) -> int:
-        return int(getattr(self.engine.target.config, "max_position_embeddings", 0) or 8192)
+        return self.context_length or model_context(self.engine)
 
     def encode(self, req: GenRequest) -> list[int]:
         """The prompt's ids: chat messages through the target tokenizer's chat template."""
@@ -67,7 +74,7 @@ class Service:
         """The request's token limit, checked against the context and the config."""
         field, ctx = ("messages" if req.messages is not None else "prompt"), self.context
         if n_prompt >= ctx:
-            raise RequestError(field, f"{field}: the prompt is {n_prompt} tokens; expected fewer than the model's "
+            raise RequestError(field, f"{field}: the prompt is {n_prompt} tokens; expected fewer than the served "
                                       f"context length of {ctx} tokens")
         room = ctx - n_prompt
         if req.max_tokens is not None and req.max_tokens > room:

@@ -25,7 +25,7 @@ DEFAULT_QUEUE_SIZE = 16
 SGLANG_ONLY = {"overlap": "--overlap", "trace": "--trace", "verify_budget": "--verify-budget",
                "load_profile": "--load-profile", "print_command": "--print-command", "sglang_args": "-- SGLANG_ARGS"}
 """``serve`` flags (argparse dest: flag) that only SGLang's server has."""
-TORCH_ONLY = {"queue_size": "--queue-size", "overrides": "--set"}
+TORCH_ONLY = {"queue_size": "--queue-size", "overrides": "--set", "no_trim": "--no-trim"}
 """``serve`` flags that only the torch runtime has."""
 
 
@@ -42,6 +42,13 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                         f"Retry-After (default {DEFAULT_QUEUE_SIZE})")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="torch runtime: override a config key, e.g. --set runtime.dtype=float32 (repeatable)")
+    p.add_argument("--context-length", type=positive_int, metavar="TOKENS",
+                   help="the longest prompt plus max_tokens a request may ask for (default: the model's context "
+                        "length); the torch runtime reserves its caches for it at start-up, SGLang gets its own "
+                        "--context-length")
+    p.add_argument("--no-trim", action="store_true",
+                   help="torch runtime: do not hand the C heap's free pages back to the system after each generation "
+                        "(malloc_trim, glibc only; a few ms per generation)")
 
 
 def _given(args: argparse.Namespace, dest: str) -> bool:
@@ -128,13 +135,17 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
     print(first_line("torch", why, args.host, args.port), file=sys.stderr, flush=True)
     def build() -> Engine:  # in the worker thread, where every forward runs (see Worker)
         engine = Engine(config, structured=True)
-        engine.generate_ids(engine.encode("Hello"), max_new_tokens=4)  # untimed warm-up: first-call allocations
+        context = served_context(engine, args.context_length)
+        engine.reserve(context)  # every cache sized for the longest request now: memory at its high-water mark
+        warm_up(engine, context)
         return engine
 
     metrics = ServerMetrics(tuple(s.name for s in config.sources) + (("head",) if config.model.drafter else ()))
-    worker = Worker(None, args.queue_size or DEFAULT_QUEUE_SIZE, metrics, build=build).start()
+    worker = Worker(None, args.queue_size or DEFAULT_QUEUE_SIZE, metrics, build=build,
+                    trim=not getattr(args, "no_trim", False)).start()
     engine = worker.wait_ready()
-    service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem)
+    service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem,
+                      context_length=args.context_length)
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
     print(f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
           f"{'' if engine.lossless else ', lossy'}), one generation at a time, {worker.queue_size} may wait",
@@ -142,6 +153,28 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0
+
+
+def served_context(engine, asked: int | None) -> int:
+    """The context the server takes requests for: ``--context-length``, at most the model's."""
+    from adaptivespec.errors import AdaptiveSpecError
+    from adaptivespec.server.app import model_context
+
+    limit = model_context(engine)
+    if asked is not None and asked > limit:
+        raise AdaptiveSpecError(f"--context-length: expected at most {limit} (the model's context length), got {asked}")
+    return asked or limit
+
+
+def warm_up(engine, context: int) -> None:
+    """Untimed generations before the port answers: the first-call allocations (packed weights, kernel
+    code), then a prompt of two prefill chunks, so the largest per-forward buffers are taken once."""
+    engine.generate_ids(engine.encode("Hello"), max_new_tokens=4)
+    chunk = engine.config.runtime.prefill_chunk or 1024
+    n = min(2 * chunk, context - 8)
+    if n > 16:
+        filler = engine.encode("Hello", raw=True) or [0]
+        engine.generate_ids((filler * n)[:n], max_new_tokens=4)
 
 
 def torch_command(config: str | Path, port: int, *, host: str = "127.0.0.1", queue_size: int | None = None,

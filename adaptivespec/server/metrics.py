@@ -19,6 +19,8 @@ name                                               type       what
 ``adaptivespec_server_first_token_seconds``        histogram  generation start to the first token
 ``adaptivespec_server_prompt_tokens_total``        counter    prompt tokens prefilled
 ``adaptivespec_server_generated_tokens_total``     counter    tokens generated
+``adaptivespec_server_trim_seconds``               histogram  time handing the heap's free pages back after a
+                                                              generation (``malloc_trim``; not with ``--no-trim``)
 =================================================  =========  =============================================
 """
 
@@ -52,6 +54,8 @@ class ServerMetrics:
                                              buckets=SECONDS_BUCKETS, registry=reg)
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens prefilled", registry=reg)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens generated", registry=reg)
+        self.trim_seconds = Histogram(f"{p}_trim_seconds", "Time handing the C heap's free pages back after a generation",
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=reg)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
 

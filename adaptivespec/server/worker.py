@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import ctypes.util
+import functools
 import math
 import threading
 import time
@@ -30,6 +33,29 @@ import attrs
 from adaptivespec.sampling import Sampler
 from adaptivespec.server.metrics import ServerMetrics
 from adaptivespec.server.schema import Sampling
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library, or no C library to load)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the system (``malloc_trim(0)``); False where there is none.
+
+    A prefill's activations are freed when it ends, but glibc keeps the pages of its heap, so a
+    server's resident memory would follow the longest prompt it has seen; trimmed after each
+    generation it stays at what the live buffers take (a few ms for this engine's heap)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 class Cancelled(Exception):
@@ -88,12 +114,13 @@ class Worker:
     """The generation thread and its queue (``queue_size``: jobs that may wait behind the running one)."""
 
     def __init__(self, engine, queue_size: int, metrics: ServerMetrics | None = None, *,
-                 build: Callable[[], Any] | None = None) -> None:
+                 build: Callable[[], Any] | None = None, trim: bool = False) -> None:
         """``engine``: the engine, or None with ``build``: a function that makes it, called first
         thing in the worker thread (:meth:`wait_ready` returns it). On a CPU the engine is best
         built where it runs: torch ops in a thread other than the one that ran the first ones went
-        at about half speed here (bf16, 2 cores; the cause is below torch's Python API)."""
-        self.engine, self.queue_size = engine, queue_size
+        at about half speed here (bf16, 2 cores; the cause is below torch's Python API).
+        ``trim``: :func:`trim_heap` after each generation (its answer is out by then)."""
+        self.engine, self.queue_size, self.trim = engine, queue_size, trim
         self.metrics = metrics or ServerMetrics()
         self._build, self._build_error = build, None
         self._ready = threading.Event()
@@ -174,6 +201,10 @@ class Worker:
             finally:
                 with self._cond:
                     self._running = None
+            if self.trim:
+                t0 = time.perf_counter()
+                if trim_heap():
+                    self.metrics.trim_seconds.observe(time.perf_counter() - t0)
 
     def _run(self, job: Job) -> None:
         job.started = time.perf_counter()

@@ -222,7 +222,11 @@ def command_and_env(args: argparse.Namespace, base: Mapping[str, str] | None = N
     """argv and environment of ``serve``'s arguments, the config read once."""
     sc = refuse_unservable(args.config)
     metrics = not getattr(args, "no_metrics", False)
-    argv = build_command(sc, args.target, args.drafter, args.host, args.port, args.sglang_args, overlap=args.overlap,
+    extra = list(args.sglang_args or ())
+    context = getattr(args, "context_length", None)
+    if context and "--context-length" not in extra:  # SGLang's own flag
+        extra += ["--context-length", str(context)]
+    argv = build_command(sc, args.target, args.drafter, args.host, args.port, extra, overlap=args.overlap,
                          metrics=metrics)
     env = build_env(sc, base, trace=args.trace, verify_budget=args.verify_budget,
                     load_profile=load_profile(sc, args.load_profile), metrics=metrics)
