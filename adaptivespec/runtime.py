@@ -46,6 +46,14 @@ def compact_cache(cache, start: int, path: list[int], idx: torch.Tensor, tree_si
         cache.crop(-(tree_size - kept))
 
 
+PREFILL_ROWS_MULTIPLE = 32
+"""Prefill chunks run as a multiple of this many rows (the last real row repeated, the extra rows'
+cache entries dropped; causal attention keeps them out of the real rows). The matmul kernels keep
+per-shape state for every row count they meet: a server fed prompts of every length grew ~0.5 MiB
+per new length (bf16, sgl_kernel; ~6 MiB with oneDNN's matmuls) without bound; this bounds the
+prefill's row counts to ``prefill_chunk / 32`` shapes."""
+
+
 class TorchRuntime:
     """Plain-PyTorch execution of prefill, tree drafting, tree verification and cache commit."""
 
@@ -128,15 +136,23 @@ class TorchRuntime:
         chunk = self.prefill_chunk or n
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            out = self.forward(input_ids=ids[start:end].unsqueeze(0), cache=self.cache, use_cache=True,
-                               output_hidden_states=d is not None, logits_to_keep=1)
+            rows = end - start
+            pad = -rows % PREFILL_ROWS_MULTIPLE  # rows run after the chunk's last one, then dropped
+            part = ids[start:end] if not pad else torch.cat([ids[start:end], ids[end - 1 : end].expand(pad)])
+            out = self.forward(input_ids=part.unsqueeze(0), cache=self.cache, use_cache=True,
+                               output_hidden_states=d is not None, logits_to_keep=pad + 1)
+            if pad:
+                self.cache.crop(-pad)
             if end == n:
-                self.root = self._pick(out.logits[0, -1])
+                self.root = self._pick(out.logits[0, 0])  # the chunk's last real row
             if d is not None:
-                state = d.fuse(out.hidden_states)[0]  # [end - start, H]
+                state = d.fuse(out.hidden_states)  # [1, rows + pad, H]: causal, the real rows' as unpadded
                 tokens = ids[start + 1 : end + 1] if end < n else torch.cat([ids[start + 1 :], self.root.reshape(1)])
-                positions = torch.arange(start, end, device=self.device)
-                last = d.step(tokens, state, positions, None)[-1]
+                if pad:
+                    tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
+                positions = torch.arange(start, end + pad, device=self.device)
+                last = d.step(tokens, state[0], positions, None)[rows - 1]
+                d.length -= pad
         self.P = n
         if d is not None:
             self._set_root(last)

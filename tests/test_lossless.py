@@ -51,7 +51,8 @@ class OracleDrafter(Eagle3Drafter):
     def log_probs(self, out_state):
         logits = self.lm_head(self.norm(out_state)).float()
         rows = logits.reshape(-1, logits.shape[-1])
-        pos = (self._positions if out_state.dim() > 1 else self._positions[-1:]) + 2
+        # one state: the root's, at the last committed position (a padded prefill ran rows past it)
+        pos = (self._positions if out_state.dim() > 1 else torch.tensor([self.length - 1])) + 2
         ok = pos < self.reference.shape[0]
         tok = self.reference[pos.clamp(max=self.reference.shape[0] - 1)]
         bump = torch.rand(rows.shape[0], generator=self.gen) * 4 - 1

@@ -469,3 +469,44 @@ def test_the_engine_is_built_in_the_worker_thread_and_a_failed_build_is_raised()
 
     with pytest.raises(AdaptiveSpecError, match="model.target: nope"):
         Worker(None, 1, build=broken).start().wait_ready()
+
+
+# -- the command a user runs ------------------------------------------------------------------------
+@pytest.mark.model
+def test_serve_runtime_torch_as_a_user_runs_it(tmp_path):
+    """``adaptivespec serve --runtime torch`` in its own process: it says which runtime it started,
+    answers, refuses what its --context-length cannot hold, trims after each generation and stops on
+    SIGINT; a --context-length beyond the model's is one line and exit 2."""
+    import signal
+    import subprocess
+    import sys
+
+    from adaptivespec.sglang.server import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "adaptivespec.cli", "serve", "--config", str(HYBRID), "--runtime", "torch",
+            "--port", str(port), "--context-length", "512"]
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: "ready:" in log.read_text() or proc.poll() is not None, 180), log.read_text()
+        lines = log.read_text().splitlines()
+        assert lines[0] == f"adaptivespec serve: runtime torch (--runtime torch) on http://127.0.0.1:{port}"
+        status, _, body = post(port, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+        assert body["speculation"]["target_forwards"] >= 1
+        status, _, body = post(port, "/v1/chat/completions", {**CHAT, "max_tokens": 600})
+        assert status == 400 and body["error"]["param"] == "max_tokens" and "context length 512" in body["error"]["message"]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metrics")
+        metrics = conn.getresponse().read().decode()
+        conn.close()
+        assert "adaptivespec_server_trim_seconds_count 1.0" in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    run = subprocess.run([*argv[:-1], "100000"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == ("adaptivespec: error: --context-length: expected at most 8192 "
+                                                   "(the model's context length), got 100000")
