@@ -27,7 +27,6 @@ plain decoding (token for token with ``strict`` at temperature 0, in distributio
 from __future__ import annotations
 
 import collections
-
 import json
 import threading
 import time

@@ -87,12 +87,12 @@ def fold_rows(mask: torch.Tensor, n: int, groups: int, keys: int) -> torch.Tenso
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 SPLIT_MIN_ROWS = 64
-"""A causal chunk after a cached prefix (a chunked prefill's later chunks) of at least this many
-rows, after at least :data:`FOLD_MIN_KEYS` cached keys, runs :func:`attend_after_prefix` ..."""
+"""A causal chunk of at least this many rows after at least :data:`FOLD_MIN_KEYS` cached keys (a
+chunked prefill's later chunks) runs :func:`attend_after_prefix` instead of one masked call."""
 
 
 def attend_after_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
-                        scale: float | None = None) -> torch.Tensor | None:
+                        scale: float | None = None) -> torch.Tensor:
     """Causal attention of ``n`` new rows at positions ``past..past+n-1`` (q [1, H, n, D]) over the
     cache (keys / values [1, Hkv, past + n, D]) as two flash-attention calls merged by their
     log-sum-exp: the cached prefix, which every row sees whole (heads folded into rows, no mask),
