@@ -22,6 +22,7 @@ from adaptivespec.errors import AdaptiveSpecError
 
 RUNTIMES = ("auto", "sglang", "torch")
 DEFAULT_QUEUE_SIZE = 16
+LISTEN_BACKLOG = 2048  # uvicorn's default
 SGLANG_ONLY = {"overlap": "--overlap", "trace": "--trace", "verify_budget": "--verify-budget",
                "load_profile": "--load-profile", "print_command": "--print-command", "sglang_args": "-- SGLANG_ARGS"}
 """``serve`` flags (argparse dest: flag) that only SGLang's server has."""
@@ -115,6 +116,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def announce_ready(sock: socket.socket, line: str) -> None:
+    """Listen, then say so: a client that connects once it reads ``line`` waits in the backlog until
+    uvicorn accepts, instead of being refused in the moment before uvicorn's own ``listen``. Until
+    then the port is bound but refuses, so nobody waits through the model's load."""
+    sock.listen(LISTEN_BACKLOG)
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_torch(args: argparse.Namespace, why: str) -> int:
     """Serve the config on the torch runtime until interrupted."""
     import uvicorn
@@ -147,10 +156,11 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
     service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem,
                       context_length=args.context_length)
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
-    print(f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
-          f"{'' if engine.lossless else ', lossy'}), one generation at a time, {worker.queue_size} may wait",
-          file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    announce_ready(sock, f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
+                         f"{'' if engine.lossless else ', lossy'}), one generation at a time, "
+                         f"{worker.queue_size} may wait")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                           backlog=LISTEN_BACKLOG))
     server.run(sockets=[sock])
     return 0
 
