@@ -108,8 +108,8 @@ def test_oracle_drafter_strict_is_lossless(policy, full_vocab_head_dir, greedy_r
             tokens += res.stats["new_tokens"]
     finally:
         drafter.__class__ = Eagle3Drafter
-    # the test really exercised acceptance (DCS's depth-1 ends and the cost-aware policy, whose
-    # calibration prior is the real head's, include depth-1 trees: less per step)
+    # the test really exercised acceptance (DCS's shipped and depth-1 ends draft shallower trees, and
+    # the cost-aware policy, whose calibration prior is the real head's, includes depth-1 trees: less per step)
     shallow = ("dcs-shipped", "dcs-depth1", "cost-aware-shipped", "post-draft-shipped")
     assert tokens / forwards > (1.5 if policy in shallow else 1.8)
     # post_draft values this head's root distribution (not boosted: p ~ 0.003) as worth one row and
