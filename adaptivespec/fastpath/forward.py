@@ -196,6 +196,51 @@ class FastLlama:
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps, self.sgl)
 
+    # -- the pieces of a layer (shared with the batched forward, :mod:`adaptivespec.fastpath.batched`) --
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [n] -> input embeddings [n, H]."""
+        return F.embedding(ids, self.embed)
+
+    def rotary_rows(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [n, 1, D] of the rows at ``positions`` [n] (in ``h``'s dtype)."""
+        cos, sin = self.rotary(h, positions.unsqueeze(0))  # [1, n, D] each
+        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+    def project(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer ``L``'s attention input: residual stream ``h`` [n, H] -> q [n, H_q, D], k / v [n, H_kv, D],
+        RoPE applied (row i at the position cos / sin row i was made for)."""
+        n = h.shape[0]
+        H, Hkv, D, qs, ks = self.heads, self.kv_heads, self.head_dim, self.q_size, self.kv_size
+        qkv = L.qkv(self._rms(h, L.w_in, L.eps_in))  # [n, qs + 2 ks]
+        qk = rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
+        return qk[:, :H], qk[:, H:], qkv[:, qs + ks:].view(n, Hkv, D)
+
+    def finish(self, L: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of layer ``L`` after attention (``attn`` [n, H_q * D]): output projection, residual,
+        MLP, residual. Returns the new residual stream [n, H] (with SGLang's kernels ``h`` is updated in place)."""
+        o = L.o(attn)
+        sgl = self.sgl
+        if sgl is not None:
+            sgl.fused_add_rmsnorm_cpu(o, h, L.w_post, L.eps_post)  # h += o; o = rmsnorm(h)
+            act = sgl.silu_and_mul_cpu(L.gate_up(o))
+        else:
+            h = h + o
+            gu = L.gate_up(self._rms(h, L.w_post, L.eps_post))  # [n, 2 I]
+            inter = gu.shape[-1] // 2
+            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+        return h + L.down(act)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self._rms(h, self.norm_w, self.norm_eps)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows [m, H] -> logits [m, V]."""
+        return self.lm_head(rows.contiguous())
+
+    def keep(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` as a hidden state to return (a copy where SGLang's kernels add into ``h`` in place)."""
+        return h.clone() if self.sgl is not None else h
+
     # -- forward -------------------------------------------------------------------------------
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
@@ -206,13 +251,10 @@ class FastLlama:
         ids = input_ids[0]
         n = ids.shape[0]
         past = cache.get_seq_length()
-        if position_ids is None:
-            position_ids = torch.arange(past, past + n, device=ids.device).unsqueeze(0)
-        h = F.embedding(ids, self.embed)  # [n, H]
-        cos, sin = self.rotary(h, position_ids)  # [1, n, D] each, in h's dtype
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [n, 1, D]
-        keep = (lambda t: t.clone()) if self.sgl is not None else (lambda t: t)  # sgl adds into h in place
-        hidden = [keep(h)] if output_hidden_states else None
+        positions = torch.arange(past, past + n, device=ids.device) if position_ids is None else position_ids[0]
+        h = self.embed_rows(ids)  # [n, H]
+        cos, sin = self.rotary_rows(h, positions)  # [n, 1, D]
+        hidden = [self.keep(h)] if output_hidden_states else None
         mask, causal, split = None, False, False
         if attention_mask is not None:
             mask = attention_mask
@@ -224,44 +266,25 @@ class FastLlama:
             else:  # rows past..past+n-1 see everything before them
                 visible = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
                 mask = visible[None, None]
-        qs, ks = self.q_size, self.kv_size
-        H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        sgl = self.sgl
+        H, Hkv = self.heads, self.kv_heads
         layers = cache.layers
         folded = _fold_mask(mask, n, H // Hkv, past + n)  # the same for every layer
         for i, L in enumerate(self.layers):
-            x = self._rms(h, L.w_in, L.eps_in)
-            qkv = L.qkv(x)  # [n, qs + 2 ks]
-            qk = rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
-            q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
-            v = qkv[:, qs + ks:].view(n, Hkv, D).transpose(0, 1).unsqueeze(0)
+            q, k, v = self.project(L, h, cos, sin)  # [n, heads, D]
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, D]
             keys, values = layers[i].update(k, v)
             if split:
                 attn = attend_after_prefix(q, keys, values, past, self.scale)
             else:
                 attn = attend(q, keys, values, mask, folded, causal, self.scale)
-            o = L.o(attn[0].transpose(0, 1).reshape(n, qs))
-            if sgl is not None:
-                sgl.fused_add_rmsnorm_cpu(o, h, L.w_post, L.eps_post)  # h += o; o = rmsnorm(h)
-                x = o
-            else:
-                h = h + o
-                x = self._rms(h, L.w_post, L.eps_post)
-            gu = L.gate_up(x)  # [n, 2 I]
-            if sgl is not None:
-                act = sgl.silu_and_mul_cpu(gu)
-            else:
-                inter = gu.shape[-1] // 2
-                act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
-            h = h + L.down(act)
+            h = self.finish(L, h, attn[0].transpose(0, 1).reshape(n, self.q_size))
             if hidden is not None and i + 1 < len(self.layers):
-                hidden.append(keep(h))
-        h = self._rms(h, self.norm_w, self.norm_eps)
+                hidden.append(self.keep(h))
+        h = self.final_norm(h)
         if hidden is not None:
             hidden.append(h)
         rows = h if not logits_to_keep else h[-logits_to_keep:]
-        logits = self.lm_head(rows.contiguous()).unsqueeze(0)
+        logits = self.logits(rows).unsqueeze(0)
         hs = tuple(t.unsqueeze(0) for t in hidden) if hidden is not None else None
         return SimpleNamespace(logits=logits, hidden_states=hs)
 
