@@ -7,7 +7,7 @@ Every function here works on whole tensors: the only Python loops run over tree 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Generator, Protocol
 
 import torch
 
@@ -90,8 +90,34 @@ def draft_tree(
     3. ``rules.select_final`` keeps ``ndt - 1`` pooled candidates (ancestor-closed) beside the root.
 
     ``root_hidden``: [H] drafter output at the root; ``to_target`` maps draft-vocabulary ids to
-    target ids (EAGLE-3's d2t). ``rules`` is the tree policy.
+    target ids (EAGLE-3's d2t). ``rules`` is the tree policy. The drafting itself is
+    :func:`draft_levels`; this runs its levels one after the other through ``expand``.
     """
+    levels = draft_levels(shape, root_token, root_logp, root_hidden, to_target, rules)
+    try:
+        level = next(levels)
+        while True:
+            level = levels.send(expand(*level))
+    except StopIteration as done:
+        return done.value
+
+
+DraftLevels = Generator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor], DraftTree]
+"""A tree being drafted: yields each level's ``expand`` arguments ``(tokens, hidden, parent_slots,
+depth)``, is sent back ``expand``'s ``(logp, hidden_out)``, and returns the :class:`DraftTree`."""
+
+
+def draft_levels(
+    shape: TreeShape,
+    root_token: torch.Tensor,
+    root_logp: torch.Tensor,
+    root_hidden: torch.Tensor,
+    to_target: Callable[[torch.Tensor], torch.Tensor],
+    rules,
+) -> DraftLevels:
+    """:func:`draft_tree` as a generator that hands each level's drafter call to its driver
+    (:data:`DraftLevels`): a batch engine drives one per request and runs a level of all of them
+    in one drafter pass; :func:`draft_tree` drives one alone."""
     device = root_logp.device
     k = shape.topk
     top = torch.topk(root_logp.float(), k)
@@ -119,7 +145,7 @@ def draft_tree(
             break
         # Run the beam through the drafter; its children are the next level's candidates.
         b = beam.shape[0]
-        logp, hidden_out = expand(tokens[beam], hidden_in[beam], parent_slot[beam], depth)
+        logp, hidden_out = yield tokens[beam], hidden_in[beam], parent_slot[beam], depth
         child = torch.topk(logp.float(), k, dim=-1)  # [b, k]
         scores = (scores[beam].unsqueeze(1) + child.values).reshape(-1)
         tokens = to_target(child.indices.reshape(-1))
@@ -142,6 +168,18 @@ def draft_tree(
     fit = getattr(rules, "verify_shape", None)  # a variable verify budget: the bucket holding the tree
     shape = shape if fit is None else fit(shape, kept.shape[0] + 1)
     return DraftTree(tokens=node_tokens, parents=parents, depth=depth, ancestors=anc, draft_logp=logp, shape=shape)
+
+
+def subtree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """The nodes ``keep`` of ``tree`` (sorted indices, 0 among them, closed under ancestors) as a
+    tree of their own, in the same order: what a row budget verifies of a drafted tree. Node ``i``
+    of the result is node ``keep[i]`` of ``tree``.
+
+    Worked example: parents ``[-1, 0, 0, 1, 2]``, keep ``[0, 2, 4]`` -> parents ``[-1, 0, 1]``."""
+    remap = torch.full((tree.size + 1,), -1, dtype=torch.long, device=keep.device)  # old idx + 1 -> new idx
+    remap[keep + 1] = torch.arange(keep.shape[0], device=keep.device)
+    return DraftTree(tokens=tree.tokens[keep], parents=remap[tree.parents[keep] + 1], depth=tree.depth[keep],
+                     ancestors=tree.ancestors[keep][:, keep], draft_logp=tree.draft_logp[keep], shape=tree.shape)
 
 
 def accepted_path(tree: DraftTree, ok: torch.Tensor) -> torch.Tensor:

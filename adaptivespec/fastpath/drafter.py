@@ -107,10 +107,8 @@ class FastEagle3:
         logits = self.lm_head(self._rms(x, "out").contiguous())
         return torch.log_softmax(logits.float(), dim=-1).view(*out_state.shape[:-1], -1)
 
-    def step(self, drafter, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
-             mask: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`Eagle3Drafter.step <adaptivespec.drafter.Eagle3Drafter.step>`, fused: same arguments,
-        same cache updates, output states [b, H]."""
+    def project(self, drafter, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor):
+        """The attention input of ``b`` new positions: q [b, H_q, D], k / v [b, H_kv, D], RoPE applied."""
         b = tokens.shape[0]
         H, Hkv, D, qs = self.heads, self.kv_heads, self.head_dim, self.q_size
         emb = F.embedding(tokens, drafter.embed_tokens.weight)
@@ -118,13 +116,11 @@ class FastEagle3:
         cos, sin = drafter.rotary(x, positions.unsqueeze(0))  # [1, b, D] each, in x's dtype
         qkv = self.qkv(x)  # [b, qs + 2 ks]
         qk = rope(qkv[:, : qs + self.kv_size].view(b, H + Hkv, D), cos[0].unsqueeze(1), sin[0].unsqueeze(1))
-        q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, b, D]
-        k = qk[:, H:].transpose(0, 1).unsqueeze(0)  # [1, Hkv, b, D]
-        v = qkv[:, qs + self.kv_size:].view(b, Hkv, D).transpose(0, 1).unsqueeze(0)
-        keys, values, mask = drafter.append_kv(k, v, mask, x.dtype)
-        folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastpath.forward)
-        attn = attend(q, keys, values, mask, folded)
-        o = self.o(attn[0].transpose(0, 1).reshape(b, qs))
+        return qk[:, :H], qk[:, H:], qkv[:, qs + self.kv_size:].view(b, Hkv, D)
+
+    def finish(self, state: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output states [b, H] from the input states and the attention output ``attn`` [b, H_q * D]."""
+        o = self.o(attn)
         if self.sgl is not None:
             h = state.clone(memory_format=torch.contiguous_format)  # the residual is the caller's: add into a copy
             self.sgl.fused_add_rmsnorm_cpu(o, h, *self.norms["post"])  # h += o; o = rmsnorm(h)
@@ -136,6 +132,18 @@ class FastEagle3:
             inter = gu.shape[-1] // 2
             act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
         return h + self.down(act)
+
+    def step(self, drafter, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`Eagle3Drafter.step <adaptivespec.drafter.Eagle3Drafter.step>`, fused: same arguments,
+        same cache updates, output states [b, H]."""
+        b = tokens.shape[0]
+        H, Hkv = self.heads, self.kv_heads
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in self.project(drafter, tokens, state, positions))
+        keys, values, mask = drafter.append_kv(k, v, mask, q.dtype)
+        folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastpath.forward)
+        attn = attend(q, keys, values, mask, folded)
+        return self.finish(state, attn[0].transpose(0, 1).reshape(b, self.q_size))
 
 
 def fast_drafter(drafter) -> FastEagle3 | None:

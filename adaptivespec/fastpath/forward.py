@@ -129,6 +129,40 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
                                           enable_gqa=Hkv != H)
 
 
+class AttentionPlan:
+    """How ``n`` new rows after ``past`` cached keys attend, decided once per forward (the same for
+    every layer): with ``mask`` (a tree's, [1, 1, n, >= past + n]; heads folded into rows where
+    that pays, :func:`_fold_mask`), causally over a fresh cache, split around the cached prefix
+    (:func:`attend_after_prefix`: a later chunk of a chunked prefill), or under a causal mask after
+    the past. One row needs no mask."""
+
+    __slots__ = ("mask", "folded", "causal", "split")
+
+    def __init__(self, mask, folded, causal: bool, split: bool) -> None:
+        self.mask, self.folded, self.causal, self.split = mask, folded, causal, split
+
+    @classmethod
+    def of(cls, n: int, past: int, attention_mask: torch.Tensor | None, groups: int, device) -> "AttentionPlan":
+        mask, causal, split = None, False, False
+        if attention_mask is not None:
+            mask = attention_mask
+        elif n > 1:
+            if past == 0:
+                causal = True
+            elif n >= SPLIT_MIN_ROWS and past >= FOLD_MIN_KEYS and _FLASH_CPU is not None and torch.device(device).type == "cpu":
+                split = True  # a later chunk of a chunked prefill: attend_after_prefix
+            else:  # rows past..past+n-1 see everything before them
+                mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
+        return cls(mask, _fold_mask(mask, n, groups, past + n), causal, split)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
+               scale: float | None) -> torch.Tensor:
+        """q [1, H, n, D] over the cache's keys / values [1, Hkv, past + n, D] -> [1, H, n, D]."""
+        if self.split:
+            return attend_after_prefix(q, keys, values, past, scale)
+        return attend(q, keys, values, self.mask, self.folded, self.causal, scale)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, sgl=None) -> torch.Tensor:
     """RMSNorm of ``x`` [rows, H]: SGLang's kernel with ``sgl``, else transformers' ``LlamaRMSNorm``
     (normalise in float32, round to the model's dtype, then scale)."""
@@ -255,28 +289,13 @@ class FastLlama:
         h = self.embed_rows(ids)  # [n, H]
         cos, sin = self.rotary_rows(h, positions)  # [n, 1, D]
         hidden = [self.keep(h)] if output_hidden_states else None
-        mask, causal, split = None, False, False
-        if attention_mask is not None:
-            mask = attention_mask
-        elif n > 1:
-            if past == 0:
-                causal = True
-            elif n >= SPLIT_MIN_ROWS and past >= FOLD_MIN_KEYS and _FLASH_CPU is not None and ids.device.type == "cpu":
-                split = True  # a later chunk of a chunked prefill: attend_after_prefix
-            else:  # rows past..past+n-1 see everything before them
-                visible = torch.ones(n, past + n, dtype=torch.bool, device=ids.device).tril(past)
-                mask = visible[None, None]
-        H, Hkv = self.heads, self.kv_heads
+        plan = AttentionPlan.of(n, past, attention_mask, self.heads // self.kv_heads, ids.device)
         layers = cache.layers
-        folded = _fold_mask(mask, n, H // Hkv, past + n)  # the same for every layer
         for i, L in enumerate(self.layers):
             q, k, v = self.project(L, h, cos, sin)  # [n, heads, D]
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, D]
             keys, values = layers[i].update(k, v)
-            if split:
-                attn = attend_after_prefix(q, keys, values, past, self.scale)
-            else:
-                attn = attend(q, keys, values, mask, folded, causal, self.scale)
+            attn = plan.attend(q, keys, values, past, self.scale)
             h = self.finish(L, h, attn[0].transpose(0, 1).reshape(n, self.q_size))
             if hidden is not None and i + 1 < len(self.layers):
                 hidden.append(self.keep(h))
