@@ -35,10 +35,11 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "adaptivespec.costmodel", "adaptivespec.learned_model")),
     ("strategies", "the built-in policies, verifiers and candidate sources, registered like any plugin",
      ("adaptivespec.policies", "adaptivespec.verifiers", "adaptivespec.sources")),
-    ("step", "the decode step: config, proposal and fusion, grammar constraints, models, runtimes and their fast path",
+    ("step", "the decode step: config, proposal and fusion, grammar constraints, models, runtimes and their fast "
+             "path, the speculation metrics both engines export",
      ("adaptivespec.config", "adaptivespec.constraints", "adaptivespec.fusion", "adaptivespec.proposal",
       "adaptivespec.models", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
-      "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling")),
+      "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
     ("interfaces", "the command line, the generated reference, the pytest kit for plugin authors",
      ("adaptivespec.cli", "adaptivespec.reference", "adaptivespec.testing")),
     ("serving", "SGLang: the plugin inside its workers, serve, servers on loopback; the torch runtime's server",

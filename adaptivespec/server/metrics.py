@@ -1,5 +1,5 @@
-"""The torch server's ``/metrics``: the SGLang path's ``adaptivespec_*`` speculation series
-(:class:`adaptivespec.sglang.metrics.SpecMetrics`, the same names and definitions, fed from the
+"""The torch server's ``/metrics``: the ``adaptivespec_*`` speculation series SGLang's worker
+exports too (:class:`adaptivespec.metrics.SpecMetrics`, the same names and definitions, fed from the
 engine's step records) and the server's own ``adaptivespec_server_*`` series.
 
 Of the shared series, those of SGLang's load controller (``load_choice_draft_tokens``,
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from adaptivespec.sglang.metrics import PREFIX, SpecMetrics
+from adaptivespec.metrics import PREFIX, SpecMetrics
 from adaptivespec.types import StepRecord
 
 OUTCOMES = ("completed", "cancelled", "rejected", "bad", "failed")
