@@ -1,8 +1,11 @@
 """The torch server's HTTP side: a FastAPI app over one :class:`~adaptivespec.server.worker.Worker`.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's, streamed as
-server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus text). A request is read and checked (:mod:`adaptivespec.server.schema`; its response
+server-sent events with ``"stream": true``), ``GET /v1/models``, ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's), ``GET /health`` (503 once the worker has died: its ``failure``),
+``GET /metrics`` (Prometheus text). Every error, FastAPI's own 404, 405 and 422 included, is
+OpenAI's error body; with an API key every route but ``/health`` answers 401 without
+``Authorization: Bearer KEY``. A request is read and checked (:mod:`adaptivespec.server.schema`; its response
 format compiled), tokenized (chat: the target tokenizer's chat template), checked against the
 context and the config, queued, and answered from its job's events: the event loop itself never
 runs a forward (the worker thread does) and never waits on one. A client that goes away cancels its
@@ -24,11 +27,14 @@ from typing import Any, AsyncIterator
 
 import attrs
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from adaptivespec.server.metrics import ServerMetrics
 from adaptivespec.server.output import Envelope, TextAssembler, finish_reason, speculation, usage
-from adaptivespec.server.schema import GenRequest, RequestError, parse_json, parse_request
+from adaptivespec.server.schema import (GenRequest, RequestError, parse_detokenize, parse_json, parse_request,
+                                        parse_tokenize)
 from adaptivespec.server.worker import Finished, Job, QueueFull, Worker
 
 DISCONNECT_POLL_S = 0.25
@@ -50,6 +56,10 @@ class Service:
     model: str
     context_length: int | None = None
     """The served context (prompt plus generated tokens); None: the model's (:func:`model_context`)."""
+    strict_fields: bool = False
+    """``serve --strict-fields``: ignored and unknown request fields are a 400, not a logged warning."""
+    api_key: str | None = None
+    """``serve --api-key``: every route but ``/health`` wants ``Authorization: Bearer <api_key>``."""
     started: int = attrs.Factory(lambda: int(time.time()))
 
     @property
@@ -61,13 +71,24 @@ class Service:
         tok = self.engine.tokenizer
         if req.messages is None:
             return list(req.prompt) if isinstance(req.prompt, tuple) else tok(req.prompt, add_special_tokens=True)["input_ids"]
+        return self.apply_template(req.messages, req.chat_template_kwargs)
+
+    def apply_template(self, messages, kwargs: dict[str, Any], *, generation_prompt: bool = True,
+                       continue_final: bool = False) -> list[int]:
+        """Chat messages' ids through the target tokenizer's chat template; ``kwargs``: the request's
+        ``chat_template_kwargs`` (template variables, e.g. Qwen3's ``enable_thinking``)."""
+        tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise RequestError("messages", "messages: the target's tokenizer has no chat template; "
                                            "send raw text to /v1/completions")
+        if continue_final:  # only when asked: older tokenizers lack the parameter
+            kwargs = {**kwargs, "continue_final_message": True}
         try:
-            ids = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tok.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=True,
+                                          return_dict=False, **kwargs)
         except Exception as exc:  # jinja's TemplateError and friends: the template refused the messages
-            raise RequestError("messages", f"messages: the chat template refused them: {str(exc).splitlines()[0]}") from None
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise RequestError("messages", f"messages: the chat template refused them: {lines[0]}") from None
         return list(ids["input_ids"] if hasattr(ids, "get") else ids)
 
     def limit(self, req: GenRequest, n_prompt: int) -> int:
@@ -90,7 +111,7 @@ class Service:
     def prepare(self, raw: bytes, chat: bool) -> tuple[GenRequest, list[int], int]:
         """Read, check and tokenize a request (in a thread: a schema compiles here)."""
         req = parse_request(parse_json(raw), chat=chat, defaults=self.engine.config.generation,
-                            vocab_size=int(self.engine.target.config.vocab_size))
+                            vocab_size=int(self.engine.target.config.vocab_size), strict=self.strict_fields)
         ids = self.encode(req)
         return req, ids, self.limit(req, len(ids))
 
@@ -103,6 +124,62 @@ class Service:
 
 def error_response(err: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class ApiKeyGate:
+    """ASGI middleware: 401 in OpenAI's error body for any route but ``open_paths`` without
+    ``Authorization: Bearer <key>`` (compared in constant time). Plain ASGI, not Starlette's
+    ``BaseHTTPMiddleware``, so streams and disconnect polling pass through untouched."""
+
+    def __init__(self, app, key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
+        self.app, self.key, self.open_paths = app, key.encode(), open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization")
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        got = "no Authorization header" if given is None else "a different key" if scheme.lower() == b"bearer" \
+            else "another scheme"
+        err = RequestError("Authorization", f"Authorization: expected 'Bearer <the server's API key>' (serve --api-key), "
+                                            f"got {got}", status=401)
+        await error_response(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def _route_list(app: FastAPI) -> str:
+    return ", ".join(f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}" for r in app.routes
+                     if getattr(r, "methods", None) and r.path not in ("/openapi.json", "/docs", "/redoc",
+                                                                      "/docs/oauth2-redirect"))
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """FastAPI's own errors (unknown route, wrong method, a typed body that fails) and anything
+    unexpected, in OpenAI's error body instead of ``{"detail": ...}`` or plain text."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"{where}: no such route; expected one of: {_route_list(app)}"
+        elif exc.status_code == 405:
+            message = f"{where}: method not allowed; expected {(exc.headers or {}).get('Allow', 'another method')}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return error_response(RequestError(None, message, status=exc.status_code), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = (exc.errors() or [{}])[0]
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        message = f"{field or 'request body'}: {first.get('msg', 'invalid')}, got {str(first.get('input'))[:80]!r}"
+        return error_response(RequestError(field, message, status=422))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        lines = str(exc).strip().splitlines() or [""]
+        return error_response(RequestError(None, f"internal error: {type(exc).__name__}: {lines[0]}", status=500))
 
 
 def build_app(service: Service, *, metrics: bool = True) -> FastAPI:
@@ -118,11 +195,16 @@ def build_app(service: Service, *, metrics: bool = True) -> FastAPI:
             await asyncio.to_thread(service.worker.stop)
 
     app = FastAPI(title="adaptivespec (torch runtime)", lifespan=lifespan)
+    add_error_handlers(app)
+    if service.api_key:
+        app.add_middleware(ApiKeyGate, key=service.api_key)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "runtime": "torch", "model": service.model, "queue": service.worker.depth,
-                "running": service.worker.busy}
+    async def health() -> Response:
+        failure = getattr(service.worker, "failure", None)
+        body = {"status": "failed" if failure else "ok", "runtime": "torch", "model": service.model,
+                "queue": service.worker.depth, "running": service.worker.busy}
+        return JSONResponse({**body, "error": failure} if failure else body, status_code=503 if failure else 200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -142,7 +224,44 @@ def build_app(service: Service, *, metrics: bool = True) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await complete(service, request, chat=False)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            return JSONResponse(await asyncio.to_thread(_tokenize, service, await request.body()))
+        except RequestError as err:
+            return error_response(err)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            return JSONResponse(await asyncio.to_thread(_detokenize, service, await request.body()))
+        except RequestError as err:
+            return error_response(err)
+
     return app
+
+
+def _tokenize(service: Service, raw: bytes) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` (:func:`~adaptivespec.server.schema.parse_tokenize`): ``{count, max_model_len,
+    tokens, token_strs}``; chat messages go through the template as a chat request's do."""
+    req, tok = parse_tokenize(parse_json(raw), strict=service.strict_fields), service.engine.tokenizer
+    if req.messages is None:
+        ids = list(tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+    else:
+        ids = service.apply_template(req.messages, req.chat_template_kwargs, generation_prompt=req.add_generation_prompt,
+                                     continue_final=req.continue_final_message)
+        bos = getattr(tok, "bos_token_id", None)
+        if req.add_special_tokens and bos is not None and ids[:1] != [bos]:
+            ids = [bos, *ids]
+    strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": service.context, "tokens": ids, "token_strs": strs}
+
+
+def _detokenize(service: Service, raw: bytes) -> dict[str, Any]:
+    """vLLM's ``/detokenize``: ``{prompt}``, special tokens kept."""
+    ids = parse_detokenize(parse_json(raw), vocab_size=int(service.engine.target.config.vocab_size),
+                           strict=service.strict_fields)
+    return {"prompt": service.engine.tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 async def complete(service: Service, request: Request, *, chat: bool) -> Response:
@@ -153,6 +272,10 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
     except RequestError as err:
         service.metrics.outcome("bad")
         return error_response(err)
+    failure = getattr(service.worker, "failure", None)
+    if failure:
+        service.metrics.outcome("failed")
+        return error_response(RequestError(None, f"server unavailable: {failure}; restart it", status=503))
     seed = 0
     if req.sampling is not None:
         seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
@@ -168,17 +291,23 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
     envelope = Envelope(chat, req.model or service.model)
     text = TextAssembler(service.engine.tokenizer, req.stop, incremental=req.stream)
     if req.stream:
-        return StreamingResponse(_stream(service, job, text, envelope, len(ids)), media_type="text/event-stream",
+        return StreamingResponse(_stream(service, job, text, envelope, len(ids), req.include_usage),
+                                 media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await _whole(service, request, job, text, envelope, len(ids))
 
 
 def _tokens(job: Job, text: TextAssembler, ids: list[int]) -> str:
-    """One step's ids through ``text``; a stop string found cancels the job."""
+    """One step's ids through ``text``; a stop string found ends the job (complete, not cancelled)."""
     delta = text.add(ids)
     if text.stopped:
-        job.cancel()
+        job.stop()
     return delta
+
+
+def _failed(service: Service, message: str) -> RequestError:
+    """A generation's error event: 503 when the worker died (``failure``), else 500."""
+    return RequestError(None, message, status=503 if getattr(service.worker, "failure", None) else 500)
 
 
 def _final(service: Service, done: Finished, text: TextAssembler, job: Job, n_prompt: int) -> tuple[str, dict]:
@@ -202,7 +331,7 @@ async def _whole(service: Service, request: Request, job: Job, text: TextAssembl
                 _tokens(job, text, payload)
                 continue
             if kind == "error":
-                return error_response(RequestError(None, payload, status=500))
+                return error_response(_failed(service, payload))
             if kind == "cancelled" and not text.stopped:  # the client is gone: nobody reads this
                 return error_response(RequestError(None, "request cancelled: the client disconnected", status=499))
             text.finish(payload.token_ids)
@@ -214,7 +343,10 @@ async def _whole(service: Service, request: Request, job: Job, text: TextAssembl
             get.cancel()
 
 
-async def _stream(service: Service, job: Job, text: TextAssembler, envelope: Envelope, n_prompt: int) -> AsyncIterator[str]:
+async def _stream(service: Service, job: Job, text: TextAssembler, envelope: Envelope, n_prompt: int,
+                  include_usage: bool = False) -> AsyncIterator[str]:
+    """The chunks; the usage and speculation on the finishing chunk, or with ``include_usage`` on one
+    more chunk of no choices after it (OpenAI's ``stream_options.include_usage``)."""
     try:
         while True:
             kind, payload = await job.events.get()
@@ -224,13 +356,15 @@ async def _stream(service: Service, job: Job, text: TextAssembler, envelope: Env
                     yield _sse(envelope.chunk(delta))
                 continue
             if kind == "error":
-                yield _sse(RequestError(None, payload, status=500).body())
+                yield _sse(_failed(service, payload).body())
                 break
             rest = text.finish(payload.token_ids)
             if rest:
                 yield _sse(envelope.chunk(rest))
             reason, extra = _final(service, payload, text, job, n_prompt)
-            yield _sse(envelope.chunk("", reason, extra))
+            yield _sse(envelope.chunk("", reason, None if include_usage else extra))
+            if include_usage:
+                yield _sse(envelope.usage_chunk(extra))
             break
         yield "data: [DONE]\n\n"
     finally:

@@ -120,3 +120,7 @@ class Envelope:
             obj = "text_completion"
         self.first = False
         return {**self._base(obj), "choices": [choice], **(extra or {})}
+
+    def usage_chunk(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """A stream's last chunk under ``stream_options.include_usage``: no choices, ``extra`` (usage, speculation)."""
+        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], **extra}

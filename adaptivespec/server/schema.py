@@ -2,31 +2,82 @@
 
 Every problem is a :class:`RequestError`: HTTP 400 with OpenAI's error body, its message one line
 that names the field, the value and what was expected (``max_tokens: expected a positive integer,
-got -5``). Unknown fields are refused the same way, so a misspelt ``max_token`` is not silently
-ignored; the OpenAI fields this server has no form for are accepted only at their neutral value
-(``n: 1``, ``presence_penalty: 0`` ...). Sampling fields a request leaves out take the config's
-``generation`` values (``temperature``, ``top_p``, ``top_k``, ``min_p``; ``max_tokens``:
-``generation.max_new_tokens``), so a greedy config serves greedily by default.
+got -5``). A field is one of four kinds:
+
+* **read** (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`): checked and used;
+* **neutral only** (:data:`NEUTRAL`): OpenAI and vLLM fields that would change the output and have
+  no form here, accepted only at their neutral value or null (``n: 1``, ``logprobs: false``,
+  ``tools: []`` ...); any other value is a 400 naming the field, never silently ignored;
+* **ignored** (:data:`IGNORED`): fields that change nothing here (``store``, ``metadata``,
+  ``service_tier`` ...), accepted and logged once per name per process;
+* **unknown**: accepted and logged once per name (with the nearest known field, so a misspelt
+  ``max_token`` shows in the log), as vLLM does; ``serve --strict-fields`` (``strict=True``) refuses
+  ignored and unknown fields with a 400 instead.
+
+Sampling fields a request leaves out take the config's ``generation`` values (``temperature``,
+``top_p``, ``top_k``, ``min_p``; ``max_tokens``: ``generation.max_new_tokens``), so a greedy config
+serves greedily by default. Numbers must be finite (JSON's ``NaN``, ``Infinity`` and ``1e999``
+parse as non-finite floats and are refused).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import logging
+import math
+import threading
 from typing import Any
 
 import attrs
 
 from adaptivespec.response_format import ResponseFormat, ResponseFormatError
 
-ROLES = ("system", "user", "assistant", "tool")
+log = logging.getLogger("adaptivespec.server")
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+"""Message roles; ``developer`` (OpenAI's name for system instructions) reaches the template as ``system``."""
 MAX_STOP = 4
-NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,),
-           "echo": (False,), "best_of": (1,), "logit_bias": ({},), "parallel_tool_calls": (True, False)}
-"""OpenAI fields with no form here, accepted at these values only (or null)."""
+MAX_DEPTH = 64
+"""The deepest nesting of objects and lists a request body may have (a JSON schema needs far less)."""
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+"""Temperature is 0 (greedy) or in this range: below it logits / temperature overflow float32, far
+above it every distribution is flat (OpenAI's own limit is 2)."""
+NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+           "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
+           "parallel_tool_calls": (True, False), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+           "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "suffix": ("",),
+           "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+"""OpenAI (and vLLM) fields with no form here, accepted at these values only (or null): any other
+value would change the output."""
+IGNORED = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+           "prediction")
+"""OpenAI fields that change nothing here (``prediction``: predicted outputs change the latency, never
+the text), accepted and logged once per name (refused with ``strict``)."""
 COMMON = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
           "stream", "stream_options", "response_format", "regex", "ebnf", "user", *NEUTRAL)
-CHAT_FIELDS = ("messages", *COMMON)
+CHAT_FIELDS = ("messages", "chat_template_kwargs", *COMMON)
 COMPLETION_FIELDS = ("prompt", *COMMON)
+MESSAGE_NULLS = {"tool_calls": ([],), "function_call": (), "refusal": (), "audio": (), "annotations": ([],),
+                 "reasoning_content": ()}
+"""Keys an assistant message sent back by a client may carry, accepted empty or null only."""
+TEMPLATE_OWN = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+                "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                "return_assistant_tokens_mask", "tokenizer_kwargs")
+"""``apply_chat_template``'s own parameters: not template variables, refused in ``chat_template_kwargs``."""
+
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def say_once(name: str, message: str) -> bool:
+    """Log ``message`` as a warning the first time ``name`` is seen in this process; True if it was."""
+    with _said_lock:
+        if name in _said:
+            return False
+        _said.add(name)
+    log.warning(message)
+    return True
 
 
 class RequestError(Exception):
@@ -67,8 +118,12 @@ class GenRequest:
     """None: greedy."""
     stop: tuple[str, ...] = ()
     stream: bool = False
+    include_usage: bool = False
+    """``stream_options.include_usage``: the stream ends with a chunk of no choices and the usage."""
     response_format: ResponseFormat | None = None
     model: str | None = None
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    """Chat: extra variables for the chat template (Qwen3's ``enable_thinking`` ...)."""
 
 
 def _show(value: Any) -> str:
@@ -93,7 +148,7 @@ def _number(body: dict, key: str, lo: float, hi: float | None, expected: str, *,
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad(key, expected, value)
     if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
         raise _bad(key, expected, value)
@@ -104,22 +159,58 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a RequestError naming what is wrong with it."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(None, f"request body: expected JSON nested at most {MAX_DEPTH} levels deep, got deeper") from None
     except (ValueError, UnicodeDecodeError) as exc:
         where = f" ({exc.msg} at line {exc.lineno} column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
         raise RequestError(None, f"request body: expected a JSON object, got invalid JSON{where}") from None
     if not isinstance(body, dict):
         raise _bad("request body", "a JSON object", body)
+    if _depth(body) > MAX_DEPTH:
+        raise RequestError(None, f"request body: expected JSON nested at most {MAX_DEPTH} levels deep, got deeper")
     return body
 
 
-def _check_fields(body: dict, allowed: tuple[str, ...]) -> None:
+def _depth(value: Any) -> int:
+    """How deeply ``value``'s objects and lists nest (without recursion: stops counting past MAX_DEPTH)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _near(key: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _neutral(key: str, value: Any, values: tuple) -> None:
+    if value is not None and value not in values:
+        allowed = " or ".join([*map(repr, values), "null"])
+        raise RequestError(key, f"{key}: this server supports only {allowed}, got {_show(value)}")
+
+
+def _check_fields(body: dict, allowed: tuple[str, ...], strict: bool) -> None:
+    known = allowed + IGNORED
     for key in body:
-        if key not in allowed:
-            raise RequestError(key, f"{key}: unknown field; expected one of: {', '.join(sorted(allowed))}")
+        if key in allowed:
+            continue
+        if strict:
+            what = "a field this server does not read" if key in IGNORED else "unknown field"
+            raise RequestError(key, f"{key}: {what} (--strict-fields); expected one of: {', '.join(sorted(allowed))}")
+        if key in IGNORED:
+            say_once(key, f"adaptivespec serve: request field {key!r} accepted and ignored: it changes nothing on this server "
+                          "(said once per field; serve --strict-fields refuses it)")
+        else:
+            say_once(key, f"adaptivespec serve: request field {key!r} is unknown here and ignored{_near(key, known)} "
+                          "(said once per field; serve --strict-fields refuses it)")
     for key, values in NEUTRAL.items():
-        if body.get(key) is not None and body[key] not in values:
-            raise RequestError(key, f"{key}: this server supports only {' or '.join(map(repr, values))}, "
-                                    f"got {_show(body[key])}")
+        if key in allowed:
+            _neutral(key, body.get(key), values)
 
 
 def _messages(raw: Any) -> tuple[dict[str, str], ...]:
@@ -130,9 +221,11 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
         key = f"messages[{i}]"
         if not isinstance(m, dict):
             raise _bad(key, "an object with role and content", m)
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - {"role", "content", "name", *MESSAGE_NULLS}
         if extra:
             raise RequestError(key, f"{key}.{sorted(extra)[0]}: unknown field; expected role, content, name")
+        for field, values in MESSAGE_NULLS.items():
+            _neutral(f"{key}.{field}", m.get(field), values)
         if m.get("role") not in ROLES:
             raise _bad(f"{key}.role", f"one of {', '.join(ROLES)}", m.get("role"))
         content = m.get("content")
@@ -142,8 +235,21 @@ def _messages(raw: Any) -> tuple[dict[str, str], ...]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"{key}.content", "a string", content)
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     return tuple(out)
+
+
+def template_kwargs(raw: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """A request's extra chat-template variables, checked (null: none)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise _bad(field, "an object of template variables", raw)
+    own = next((k for k in raw if k in TEMPLATE_OWN), None)
+    if own is not None:
+        raise RequestError(field, f"{field}.{own}: expected a template variable, got one of apply_chat_template's own "
+                                  f"parameters ({', '.join(TEMPLATE_OWN)})")
+    return dict(raw)
 
 
 def _prompt(raw: Any, vocab_size: int) -> str | tuple[int, ...]:
@@ -214,7 +320,9 @@ def _build(where: str, fields: dict) -> ResponseFormat:
 
 def _sampling(body: dict, defaults) -> Sampling | None:
     """The request's sampling settings over the config's ``generation`` defaults (None: greedy)."""
-    t = _number(body, "temperature", 0.0, None, "a number >= 0")
+    t = _number(body, "temperature", 0.0, MAX_TEMPERATURE, f"0 or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
+    if t is not None and 0 < t < MIN_TEMPERATURE:
+        raise _bad("temperature", f"0 or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]", body["temperature"])
     top_p = _number(body, "top_p", 0.0, 1.0, "a number in (0, 1]", lo_open=True)
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
@@ -231,10 +339,10 @@ def _sampling(body: dict, defaults) -> Sampling | None:
                     min_p=defaults.min_p if min_p is None else (min_p or None), seed=seed)
 
 
-def parse_request(body: dict[str, Any], *, chat: bool, defaults, vocab_size: int) -> GenRequest:
+def parse_request(body: dict[str, Any], *, chat: bool, defaults, vocab_size: int, strict: bool = False) -> GenRequest:
     """A checked chat (``chat=True``) or text-completions request; ``defaults``: the config's
-    ``generation`` section."""
-    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    ``generation`` section; ``strict``: ignored and unknown fields are a 400 (``serve --strict-fields``)."""
+    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, strict)
     if chat and "messages" not in body:
         raise _bad("messages", "a non-empty list of {role, content} objects", None)
     if not chat and "prompt" not in body:
@@ -246,14 +354,104 @@ def parse_request(body: dict[str, Any], *, chat: bool, defaults, vocab_size: int
     max_tokens = _int(body, "max_tokens", 1, "a positive integer")
     max_completion = _int(body, "max_completion_tokens", 1, "a positive integer")
     stream = body.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise _bad("stream", "true or false", stream)
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise _bad("stream_options", "an object {include_usage: bool}", options)
     return GenRequest(
         messages=_messages(body["messages"]) if chat else None,
         prompt=None if chat else _prompt(body["prompt"], vocab_size),
         max_tokens=max_tokens if max_tokens is not None else max_completion,
         sampling=_sampling(body, defaults), stop=_stop(body.get("stop")), stream=stream,
-        response_format=_response_format(body), model=body.get("model"))
+        include_usage=_include_usage(body.get("stream_options")), response_format=_response_format(body),
+        model=body.get("model"), chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {})
+
+
+def _include_usage(options: Any) -> bool:
+    """``stream_options``: ``include_usage`` read, ``include_obfuscation`` ignored, vLLM's
+    ``continuous_usage_stats`` false only."""
+    expected = "an object {include_usage: bool, include_obfuscation: bool}"
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation", "continuous_usage_stats"}:
+        raise _bad("stream_options", expected, options)
+    for key, value in options.items():
+        if value is not None and not isinstance(value, bool):
+            raise _bad(f"stream_options.{key}", "true or false", value)
+    _neutral("stream_options.continuous_usage_stats", options.get("continuous_usage_stats"), (False,))
+    return bool(options.get("include_usage"))
+
+
+# -- vLLM's /tokenize and /detokenize -----------------------------------------------------------------
+TOKENIZE_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
+TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                        "return_token_strs", "chat_template_kwargs")
+DETOKENIZE_FIELDS = ("model", "tokens")
+
+
+@attrs.frozen(kw_only=True)
+class TokenizeRequest:
+    """A checked ``/tokenize`` body: vLLM's ``TokenizeCompletionRequest`` or ``TokenizeChatRequest``."""
+
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    add_special_tokens: bool = True
+    """Text: the tokenizer's special tokens (default true); chat: a BOS the template did not put (default false)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
+
+
+def _other_fields(body: dict, allowed: tuple[str, ...], strict: bool) -> None:
+    for key in body:
+        if key in allowed:
+            continue
+        if strict:
+            raise RequestError(key, f"{key}: unknown field (--strict-fields); expected one of: {', '.join(allowed)}")
+        say_once(key, f"adaptivespec serve: request field {key!r} is unknown here and ignored{_near(key, allowed)} "
+                      "(said once per field; serve --strict-fields refuses it)")
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(key, "true or false", value)
+    return value
+
+
+def parse_tokenize(body: dict[str, Any], *, strict: bool = False) -> TokenizeRequest:
+    """``/tokenize``: ``{prompt, add_special_tokens?}`` or ``{messages, add_generation_prompt?,
+    continue_final_message?, add_special_tokens?, chat_template_kwargs?}``, each with ``model?`` and
+    ``return_token_strs?`` (vLLM's field names and defaults)."""
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise _bad("model", "a string", body["model"])
+    strs = _flag(body, "return_token_strs", False)
+    if "messages" not in body:
+        _other_fields(body, TOKENIZE_FIELDS, strict)
+        if not isinstance(body.get("prompt"), str):
+            raise _bad("prompt", "a string (or messages instead)", body.get("prompt"))
+        return TokenizeRequest(prompt=body["prompt"], add_special_tokens=_flag(body, "add_special_tokens", True),
+                               return_token_strs=strs)
+    _other_fields(body, TOKENIZE_CHAT_FIELDS, strict)
+    generation, final = _flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False)
+    if generation and final:
+        raise RequestError("continue_final_message", "continue_final_message: expected false while "
+                                                     "add_generation_prompt is true (set one of them), got true")
+    return TokenizeRequest(messages=_messages(body["messages"]), add_special_tokens=_flag(body, "add_special_tokens", False),
+                           add_generation_prompt=generation, continue_final_message=final, return_token_strs=strs,
+                           chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")))
+
+
+def parse_detokenize(body: dict[str, Any], *, vocab_size: int, strict: bool = False) -> list[int]:
+    """``/detokenize``'s ``tokens`` (``{tokens, model?}``), checked against the vocabulary."""
+    _other_fields(body, DETOKENIZE_FIELDS, strict)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _bad("tokens", "a list of token ids", ids)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad("tokens", f"token ids in [0, {vocab_size})", bad)
+    return ids

@@ -13,7 +13,16 @@ while it waits is dropped when its turn comes. The next generation starts from i
 behind.
 
 Events, in order: ``("tokens", [ids])`` per step, then one of ``("done", Finished)``,
-``("cancelled", Finished)`` or ``("error", message)``.
+``("cancelled", Finished)`` or ``("error", message)``. A job ended by :meth:`Job.stop` (its answer is
+complete: a stop string) ends like a cancelled one, at the next step, but its last event is
+``("done", Finished)`` and ``/metrics`` counts it ``completed``.
+
+**A dead worker.** ``Worker.failure`` is None while the worker can take jobs, else a one-line reason:
+the generation thread raised outside a generation (an exception inside ``generate_ids`` only fails
+that request, with a 500) or the engine could not be built. Once it is set, every job that was
+waiting or running has had an ``("error", reason)`` event, :meth:`Worker.submit` answers each new job
+with one at once, and the app answers ``/health`` and new requests with 503. Any other worker the app
+runs (a batching one) keeps the same surface: ``failure``, and ``Job.stopped`` read as above.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import collections
 import ctypes
 import ctypes.util
 import functools
+import logging
 import math
 import threading
 import time
@@ -34,6 +44,7 @@ from adaptivespec.sampling import Sampler
 from adaptivespec.server.metrics import ServerMetrics
 from adaptivespec.server.schema import Sampling
 
+log = logging.getLogger("adaptivespec.server")
 
 @functools.cache
 def _malloc_trim():
@@ -56,6 +67,11 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 class Cancelled(Exception):
@@ -93,6 +109,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     cancelled: threading.Event = attrs.Factory(threading.Event)
+    stopped: bool = False
+    """Set by :meth:`stop`: the answer is complete; ended at the next step and counted ``completed``."""
     enqueued: float = attrs.Factory(time.perf_counter)
     started: float | None = None
     # running totals, kept by the worker (a cancelled job's stats come from them)
@@ -101,6 +119,11 @@ class Job:
     promoted: int = 0
 
     def cancel(self) -> None:
+        self.cancelled.set()
+
+    def stop(self) -> None:
+        """End at the next step because the answer is complete (a stop string), not abandoned."""
+        self.stopped = True
         self.cancelled.set()
 
     def post(self, kind: str, payload: Any) -> None:
@@ -128,6 +151,7 @@ class Worker:
         self._cond = threading.Condition()
         self._running: Job | None = None
         self._stopping = False
+        self._failure: str | None = None
         self._mean_seconds = 1.0  # running mean of a generation's wall time, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="adaptivespec-generation", daemon=True)
 
@@ -139,8 +163,13 @@ class Worker:
         return self
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` (FIFO), or raise :class:`QueueFull`."""
+        """Queue ``job`` (FIFO), or raise :class:`QueueFull`; on a dead worker (:attr:`failure`) the job
+        gets its ``("error", ...)`` event at once."""
         with self._cond:
+            if self._failure is not None:
+                self.metrics.outcome("failed")
+                job.post("error", self._failure)
+                return
             if self._stopping or len(self._waiting) >= self.queue_size:
                 ahead = len(self._waiting) + (self._running is not None)
                 raise QueueFull(max(1, math.ceil(self._mean_seconds * ahead)))
@@ -164,6 +193,11 @@ class Worker:
     def busy(self) -> bool:
         return self._running is not None
 
+    @property
+    def failure(self) -> str | None:
+        """None while the worker can take jobs; else why it cannot (one line), see the module's docstring."""
+        return self._failure
+
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel every job and end the thread."""
         with self._cond:
@@ -181,9 +215,17 @@ class Worker:
                 self.engine = self._build()
             except BaseException as exc:  # handed to wait_ready's caller
                 self._build_error = exc
+                self._failure = f"the engine could not be built: {_one_line(exc)}"
                 self._ready.set()
                 return
         self._ready.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside any one generation: nothing may wait on this thread now
+            log.exception("the generation thread failed")
+            self._die(f"the generation worker failed: {_one_line(exc)}")
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._stopping:
@@ -196,15 +238,25 @@ class Worker:
                 job = self._waiting.popleft()
                 self.metrics.queue_depth.set(len(self._waiting))
                 self._running = job
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+            self._run(job)  # what escapes leaves the job in _running: _die answers it
+            with self._cond:
+                self._running = None
             if self.trim:
                 t0 = time.perf_counter()
                 if trim_heap():
                     self.metrics.trim_seconds.observe(time.perf_counter() - t0)
+
+    def _die(self, reason: str) -> None:
+        """Mark the worker failed and answer every job it holds with ``("error", reason)``."""
+        with self._cond:
+            self._failure = reason
+            jobs = [*([self._running] if self._running is not None else []), *self._waiting]
+            self._waiting.clear()
+            self._running = None
+            self.metrics.queue_depth.set(0)
+        for job in jobs:
+            self.metrics.outcome("failed")
+            job.post("error", reason)
 
     def _run(self, job: Job) -> None:
         job.started = time.perf_counter()
@@ -237,9 +289,15 @@ class Worker:
             result = engine.generate_ids(job.prompt_ids, max_new_tokens=job.max_tokens, on_tokens=on_tokens,
                                          on_step=on_step, seed=job.seed, response_format=job.response_format)
         except Cancelled:
-            self.metrics.outcome("cancelled")
             self.metrics.generated_tokens.inc(len(job.tokens))
-            job.post("cancelled", self._partial(job, waited))
+            partial = self._partial(job, waited)
+            if job.stopped:  # a stop string: the answer is complete
+                self.metrics.generation_seconds.observe(partial.stats["wall_seconds"])
+                self.metrics.outcome("completed")
+                job.post("done", partial)
+            else:
+                self.metrics.outcome("cancelled")
+                job.post("cancelled", partial)
             return
         except Exception as exc:  # a bug, not a bad request: the request gets a 500, the server goes on
             self.metrics.outcome("failed")
