@@ -23,7 +23,7 @@ EXTRA_COMMANDS = [
     ("adaptivespec.analysis.post_draft_fit", "add_parser"),
     ("adaptivespec.evaluation.cli", "add_bench_parser"),
     ("adaptivespec.evaluation.cli", "add_sweep_parser"),
-    ("adaptivespec.sglang.serve", "add_serve_parser"),
+    ("adaptivespec.serve", "add_serve_parser"),
     ("adaptivespec.calibrate", "add_parser"),
     ("adaptivespec.evaluation.soak_cli", "add_soak_parser"),
 ]

@@ -33,6 +33,23 @@ def test_layers_match_by_longest_prefix_and_the_package_face_only():
     assert LAYERS[layer_of("adaptivespec.sglang.serve")][0] == "serving"
     assert LAYERS[layer_of("adaptivespec.fastpath.forward")][0] == "step"
     assert layer_of("adaptivespec.no_such_module") is None  # not swallowed by the package's own prefix
+    assert LAYERS[layer_of("adaptivespec.batch.scheduler")][0] == "batch"
+    assert LAYERS[layer_of("adaptivespec.serve")][0] == "front door"
+    assert LAYERS[layer_of("adaptivespec.metrics")][0] == "step"
+
+
+def test_one_front_door_above_two_engines_that_never_import_each_other():
+    """``serve`` chooses between the engines from above; the batch scheduler sits between the step
+    and the server; what both engines export on /metrics lives below both."""
+    graph = import_graph()
+    sglang = {m for m in graph if m.startswith("adaptivespec.sglang")}
+    server = {m for m in graph if m.startswith("adaptivespec.server")}
+    assert [m for m in sorted(sglang) if graph[m] & server] == []
+    assert [m for m in sorted(server) if graph[m] & sglang] == []
+    assert {"adaptivespec.sglang.serve", "adaptivespec.server.launch"} <= graph["adaptivespec.serve"]
+    names = [name for name, _, _ in LAYERS]
+    assert names.index("step") < names.index("batch") < names.index("serving") < names.index("front door")
+    assert "adaptivespec.metrics" in graph["adaptivespec.server.metrics"] & graph["adaptivespec.sglang.metrics"]
 
 
 def test_the_page_shows_the_layers_the_code_keeps(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from adaptivespec.errors import AdaptiveSpecError
 import adaptivespec
 from adaptivespec import plugins
+from adaptivespec import serve as front_door
 from adaptivespec.policies.static import StaticPolicy
 from adaptivespec.sglang import CONFIG_ENV, platform, serve
 from adaptivespec.sglang.controller import build_strategies
@@ -108,7 +109,7 @@ def test_env_points_the_plugin_at_the_config(config):
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="adaptivespec")
-    serve.add_serve_parser(parser.add_subparsers(dest="command"))
+    front_door.add_serve_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(argv)
 
 
@@ -116,8 +117,8 @@ def test_print_command(config, capsys, monkeypatch):
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--port", "31000",
                   "--print-command", "--", "--mem-fraction-static", "0.8"])
-    assert args.func is serve.run_serve
-    assert serve.run_serve(args) == 0
+    assert args.func is front_door.run_serve
+    assert front_door.run_serve(args) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"{CONFIG_ENV}={config.resolve()} {sys.executable} -m sglang.launch_server ")
     for part in ("--speculative-algorithm EAGLE3", f"--speculative-draft-model-path {DRAFTER}", "--speculative-num-steps 5",
@@ -129,10 +130,10 @@ def test_print_command(config, capsys, monkeypatch):
 def test_context_length_becomes_sglangs_own_flag_once(config, capsys, monkeypatch):
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     base = ["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]
-    assert serve.run_serve(parse([*base, "--context-length", "4096"])) == 0
+    assert front_door.run_serve(parse([*base, "--context-length", "4096"])) == 0
     assert capsys.readouterr().out.strip().endswith("--context-length 4096")
     # given to SGLang by hand as well: SGLang's value stands, the flag is not repeated
-    assert serve.run_serve(parse([*base, "--context-length", "4096", "--", "--context-length", "2048"])) == 0
+    assert front_door.run_serve(parse([*base, "--context-length", "4096", "--", "--context-length", "2048"])) == 0
     line = capsys.readouterr().out.strip()
     assert line.endswith("--context-length 2048") and line.count("--context-length") == 1
 
@@ -149,7 +150,7 @@ def test_serve_without_sglang_fails_in_one_line(config, monkeypatch):
     monkeypatch.setattr(serve.os, "execvpe", lambda *a: pytest.fail("must not exec"))
     args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--runtime", "sglang"])
     with pytest.raises(AdaptiveSpecError) as err:
-        serve.run_serve(args)
+        front_door.run_serve(args)
     assert str(err.value) == (f"sglang is not installed; install it on a CUDA machine with: "
                               f"pip install 'adaptivespec[sglang]' (sglang=={SGLANG_VERSION}); "
                               "on an x86 CPU with AMX or AVX-512 bf16: scripts/install_sglang_cpu.sh")
@@ -161,11 +162,11 @@ def test_serve_checks_the_api_then_execs(config, monkeypatch):
     monkeypatch.setattr(platform, "check_api", lambda: ["x.y: not found"])
     args = parse(["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--runtime", "sglang"])
     with pytest.raises(AdaptiveSpecError, match="lacks what the plugin .* needs: x.y: not found"):
-        serve.run_serve(args)
+        front_door.run_serve(args)
     calls = []
     monkeypatch.setattr(platform, "check_api", lambda: [])
     monkeypatch.setattr(serve.os, "execvpe", lambda *a: calls.append(a))
-    serve.run_serve(args)
+    front_door.run_serve(args)
     (file, argv, env), = calls
     assert file == sys.executable and argv[1:3] == ["-m", "sglang.launch_server"]
     assert env[CONFIG_ENV] == str(config.resolve())
@@ -295,10 +296,10 @@ def test_bad_load_profile_is_one_line_exit_2(capsys):
 def test_metrics_are_on_by_default_and_no_metrics_turns_both_off(config, capsys, monkeypatch):
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     base = ["serve", "--config", str(config), "--target", TARGET, "--drafter", DRAFTER, "--print-command"]
-    assert serve.run_serve(parse(base)) == 0
+    assert front_door.run_serve(parse(base)) == 0
     on = capsys.readouterr().out
     assert " --enable-metrics" in on and "ADAPTIVESPEC_SGLANG_METRICS" not in on
-    assert serve.run_serve(parse(base + ["--no-metrics"])) == 0
+    assert front_door.run_serve(parse(base + ["--no-metrics"])) == 0
     off = capsys.readouterr().out
     assert "--enable-metrics" not in off and "ADAPTIVESPEC_SGLANG_METRICS=0" in off
     given = serve.build_command(config, TARGET, DRAFTER, extra_args=["--enable-metrics"])

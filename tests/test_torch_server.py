@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from adaptivespec import serve as front_door
 from adaptivespec.config import load_config
 from adaptivespec.decode import GenerationResult
 from adaptivespec.server import launch
@@ -300,37 +301,37 @@ async def drain(job) -> str:
 def serve_args(*argv: str):
     import argparse
 
-    from adaptivespec.sglang import serve
-
     parser = argparse.ArgumentParser(prog="adaptivespec")
-    serve.add_serve_parser(parser.add_subparsers(dest="command"))
+    front_door.add_serve_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", "--config", str(HYBRID), *argv])
 
 
 def test_auto_picks_sglang_where_it_can_serve_else_torch_and_says_why(monkeypatch):
-    monkeypatch.setattr(launch, "sglang_reason", lambda: "sglang is not installed; install it with x.")
-    assert launch.choose_runtime(serve_args()) == ("torch", "sglang is not installed; install it with x")
-    assert launch.choose_runtime(serve_args("--print-command")) == ("sglang", "--print-command is SGLang's")
-    monkeypatch.setattr(launch, "sglang_reason", lambda: None)
-    assert launch.choose_runtime(serve_args()) == ("sglang", "sglang can serve here")
-    assert launch.choose_runtime(serve_args("--queue-size", "4"))[0] == "torch"
-    assert launch.first_line("torch", "--runtime torch", "127.0.0.1", 30000) == \
+    monkeypatch.setattr(front_door, "sglang_reason", lambda: "sglang is not installed; install it with x.")
+    assert front_door.choose_runtime(serve_args()) == ("torch", "sglang is not installed; install it with x")
+    assert front_door.choose_runtime(serve_args("--print-command")) == ("sglang", "--print-command is SGLang's")
+    monkeypatch.setattr(front_door, "sglang_reason", lambda: None)
+    assert front_door.choose_runtime(serve_args()) == ("sglang", "sglang can serve here")
+    assert front_door.choose_runtime(serve_args("--queue-size", "4"))[0] == "torch"
+    assert front_door.choose_runtime(serve_args("--parallel", "4")) == ("torch", "--parallel is the torch runtime's")
+    assert front_door.first_line("torch", "--runtime torch", "127.0.0.1", 30000) == \
         "adaptivespec serve: runtime torch (--runtime torch) on http://127.0.0.1:30000"
 
 
 def test_auto_serves_on_torch_what_sglang_cannot_serve(monkeypatch):
-    monkeypatch.setattr(launch, "sglang_reason", lambda: None)  # SGLang could serve here
+    monkeypatch.setattr(front_door, "sglang_reason", lambda: None)  # SGLang could serve here
     args = serve_args()
     args.config = str(HYBRID.parent / "grammar.yaml")  # sources without a draft head
-    assert launch.choose_runtime(args) == ("torch", "SGLang's worker needs a draft head for this config's sources")
+    assert front_door.choose_runtime(args) == ("torch", "SGLang's worker needs a draft head for this config's sources")
     args.runtime = "sglang"  # asked for explicitly: serve refuses it as before
-    assert launch.choose_runtime(args) == ("sglang", "--runtime sglang")
+    assert front_door.choose_runtime(args) == ("sglang", "--runtime sglang")
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--runtime", "torch", "--print-command"], "--print-command: only with --runtime sglang"),
     (["--runtime", "torch", "--overlap"], "--overlap: only with --runtime sglang"),
     (["--runtime", "sglang", "--queue-size", "3"], "--queue-size: only with --runtime torch"),
+    (["--runtime", "sglang", "--parallel", "4"], "--parallel: only with --runtime torch"),
 ])
 def test_a_flag_of_the_other_runtime_is_a_one_line_exit_2(argv, message, capsys):
     from adaptivespec.cli import main
@@ -338,6 +339,16 @@ def test_a_flag_of_the_other_runtime_is_a_one_line_exit_2(argv, message, capsys)
     assert main(["serve", "--config", str(HYBRID), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"adaptivespec: error: {message}") and "\n" not in err
+
+
+def test_parallel_is_a_positive_integer(capsys):
+    from adaptivespec.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # argparse's own errors
+        main(["serve", "--config", str(HYBRID), "--parallel", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == ("adaptivespec: error: adaptivespec serve: argument --parallel: expected a "
+                                               "positive integer, got '0' (see --help)")
 
 
 # -- the real model, float32 ------------------------------------------------------------------------

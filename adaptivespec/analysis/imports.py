@@ -35,15 +35,20 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "adaptivespec.costmodel", "adaptivespec.learned_model")),
     ("strategies", "the built-in policies, verifiers and candidate sources, registered like any plugin",
      ("adaptivespec.policies", "adaptivespec.verifiers", "adaptivespec.sources")),
-    ("step", "the decode step: config, proposal and fusion, grammar constraints, models, runtimes and their fast "
-             "path, the speculation metrics both engines export",
+    ("step", "the decode step: config, proposal and fusion, constraints, models, runtimes, fast path, speculation "
+             "metrics",
      ("adaptivespec.config", "adaptivespec.constraints", "adaptivespec.fusion", "adaptivespec.proposal",
       "adaptivespec.models", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
       "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
+    ("batch", "continuous batching: request states, the scheduler's step plans, the executor over ragged rows, "
+              "the row budget", ("adaptivespec.batch",)),
     ("interfaces", "the command line, the generated reference, the pytest kit for plugin authors",
      ("adaptivespec.cli", "adaptivespec.reference", "adaptivespec.testing")),
-    ("serving", "SGLang: the plugin inside its workers, serve, servers on loopback; the torch runtime's server",
+    ("serving", "the two engines, which never import each other: SGLang (plugin, command, loopback servers), "
+                "the torch server",
      ("adaptivespec.sglang", "adaptivespec.server")),
+    ("front door", "adaptivespec serve: the flags of both engines, the runtime choice, the hand-over",
+     ("adaptivespec.serve",)),
     ("evaluation", "datasets, graders, the bench, sweeps, the served soak", ("adaptivespec.evaluation",)),
     ("training", "draft heads and learned policies: data, training, cards", ("adaptivespec.training",)),
     ("analysis", "one-off studies and checks, calibration", ("adaptivespec.analysis", "adaptivespec.calibrate")),

@@ -6,5 +6,6 @@ One concept per file: :mod:`~adaptivespec.server.schema` (request bodies, checke
 cancellation at the next step), :mod:`~adaptivespec.server.output` (text, stop strings, response
 and chunk objects), :mod:`~adaptivespec.server.metrics` (``/metrics``: the SGLang path's
 ``adaptivespec_*`` series and the server's own), :mod:`~adaptivespec.server.app` (the FastAPI
-routes) and :mod:`~adaptivespec.server.launch` (the runtime choice, start-up). See docs/torch-server.md.
+routes) and :mod:`~adaptivespec.server.launch` (its flags, start-up; ``serve``'s front door,
+:mod:`adaptivespec.serve`, hands over to it). See docs/torch-server.md.
 """

@@ -1,14 +1,10 @@
-"""``adaptivespec serve``'s choice of runtime, and the torch runtime's start-up.
+"""``adaptivespec serve --runtime torch``: the torch runtime's flags and start-up.
 
-``--runtime sglang`` execs SGLang's server with the plugin (:mod:`adaptivespec.sglang.serve`);
-``--runtime torch`` runs this package's server in this process: the config's
+``serve``'s front door (:mod:`adaptivespec.serve`) adds :func:`add_runtime_arguments` to the
+command, holds :data:`TORCH_ONLY` against SGLang's flags when it chooses the runtime, and hands the
+torch runtime to :func:`run_torch`: this package's server in this process, the config's
 :class:`~adaptivespec.decode.Engine` (``structured=True``: any request may bring a response format),
-one worker thread, uvicorn on the asked host and port. ``auto`` (the default) picks SGLang where it
-can serve here (:func:`adaptivespec.sglang.platform.sglang_unavailable_reason` says None), else
-torch; flags only one runtime has pick that one. The first line ``serve`` prints says which it
-started and why::
-
-    adaptivespec serve: runtime torch (sglang not installed) on http://127.0.0.1:30000
+one worker thread, uvicorn on the asked host and port. This module never imports SGLang's side.
 """
 
 from __future__ import annotations
@@ -20,27 +16,23 @@ from pathlib import Path
 
 from adaptivespec.errors import AdaptiveSpecError
 
-RUNTIMES = ("auto", "sglang", "torch")
+DEFAULT_PARALLEL = 8
 DEFAULT_QUEUE_SIZE = 16
 LISTEN_BACKLOG = 2048  # uvicorn's default
-SGLANG_ONLY = {"overlap": "--overlap", "trace": "--trace", "verify_budget": "--verify-budget",
-               "load_profile": "--load-profile", "print_command": "--print-command", "sglang_args": "-- SGLANG_ARGS"}
-"""``serve`` flags (argparse dest: flag) that only SGLang's server has."""
-TORCH_ONLY = {"queue_size": "--queue-size", "overrides": "--set", "no_trim": "--no-trim"}
-"""``serve`` flags that only the torch runtime has."""
+TORCH_ONLY = {"parallel": "--parallel", "queue_size": "--queue-size", "overrides": "--set", "no_trim": "--no-trim"}
+"""``serve`` flags (argparse dest: flag) that only the torch runtime has."""
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
-    """``serve``'s ``--runtime`` and the torch runtime's flags."""
+    """The torch runtime's ``serve`` flags (:data:`TORCH_ONLY`), and ``--context-length``, which
+    SGLang gets too; onto a parser or an argument group."""
     from adaptivespec.cli import positive_int
 
-    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
-                   help="sglang: SGLang's server with the plugin (batching; CUDA, or a CPU with AMX); torch: "
-                        "adaptivespec's own engine behind an OpenAI-compatible server, one generation at a time; "
-                        "auto (default): sglang where it can serve here, else torch")
+    p.add_argument("--parallel", type=positive_int, metavar="N",
+                   help=f"torch runtime: requests decoded together by continuous batching (default {DEFAULT_PARALLEL})")
     p.add_argument("--queue-size", type=positive_int, metavar="N",
-                   help=f"torch runtime: requests that may wait behind the running one (FIFO); more get a 503 with "
-                        f"Retry-After (default {DEFAULT_QUEUE_SIZE})")
+                   help=f"torch runtime: requests that may wait beyond the --parallel running ones (FIFO); more get a "
+                        f"503 with Retry-After (default {DEFAULT_QUEUE_SIZE})")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="torch runtime: override a config key, e.g. --set runtime.dtype=float32 (repeatable)")
     p.add_argument("--context-length", type=positive_int, metavar="TOKENS",
@@ -50,58 +42,6 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trim", action="store_true",
                    help="torch runtime: do not hand the C heap's free pages back to the system after each generation "
                         "(malloc_trim, glibc only; a few ms per generation)")
-
-
-def _given(args: argparse.Namespace, dest: str) -> bool:
-    value = getattr(args, dest, None)
-    return bool(value) if isinstance(value, (bool, list)) else value is not None
-
-
-def choose_runtime(args: argparse.Namespace) -> tuple[str, str]:
-    """(runtime, why) for ``serve``'s arguments; a flag of the other runtime is a one-line error."""
-    sglang_flags = [flag for dest, flag in SGLANG_ONLY.items() if _given(args, dest)]
-    torch_flags = [flag for dest, flag in TORCH_ONLY.items() if _given(args, dest)]
-    runtime = getattr(args, "runtime", "auto") or "auto"
-    if runtime == "auto":
-        if sglang_flags and not torch_flags:
-            return "sglang", f"{sglang_flags[0]} is SGLang's"
-        if torch_flags and not sglang_flags:
-            return "torch", f"{torch_flags[0]} is the torch runtime's"
-        reason = sglang_reason() or sglang_cannot_serve(getattr(args, "config", None))
-        runtime, why = ("torch", reason.rstrip(".")) if reason else ("sglang", "sglang can serve here")
-    else:
-        why = f"--runtime {runtime}"
-    wrong = torch_flags if runtime == "sglang" else sglang_flags
-    if wrong:
-        other = "torch" if runtime == "sglang" else "sglang"
-        raise AdaptiveSpecError(f"{wrong[0]}: only with --runtime {other} (serving with the {runtime} runtime: {why}); "
-                                "drop the flag or pass --runtime " + other)
-    return runtime, why
-
-
-def sglang_cannot_serve(config: str | None) -> str | None:
-    """Why SGLang cannot serve this config (sources without a draft head), None where it can or the
-    config does not load (``serve`` then reports that as it would)."""
-    if config is None:
-        return None
-    from adaptivespec.sglang.served_config import unservable
-
-    try:
-        reason = unservable(config)
-    except AdaptiveSpecError:
-        return None
-    return reason and "SGLang's worker needs a draft head for this config's sources"
-
-
-def sglang_reason() -> str | None:
-    """Why SGLang cannot serve here (None: it can)."""
-    from adaptivespec.sglang.platform import sglang_unavailable_reason
-
-    return sglang_unavailable_reason(None)
-
-
-def first_line(runtime: str, why: str, host: str, port: int) -> str:
-    return f"adaptivespec serve: runtime {runtime} ({why}) on http://{host}:{port}"
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -124,8 +64,9 @@ def announce_ready(sock: socket.socket, line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_torch(args: argparse.Namespace, why: str) -> int:
-    """Serve the config on the torch runtime until interrupted."""
+def run_torch(args: argparse.Namespace, first_line: str) -> int:
+    """Serve the config on the torch runtime until interrupted; ``first_line`` (the front door's:
+    which runtime and why) is printed once the config has loaded and the port is bound."""
     import uvicorn
 
     from adaptivespec.config import load_config
@@ -141,7 +82,7 @@ def run_torch(args: argparse.Namespace, why: str) -> int:
         overrides.append(f"model.drafter={args.drafter}")
     config = load_config(args.config, overrides)
     sock = _bind(args.host, args.port)
-    print(first_line("torch", why, args.host, args.port), file=sys.stderr, flush=True)
+    print(first_line, file=sys.stderr, flush=True)
     def build() -> Engine:  # in the worker thread, where every forward runs (see Worker)
         engine = Engine(config, structured=True)
         context = served_context(engine, args.context_length)

@@ -20,7 +20,8 @@ in its own processes. One concept per module:
 * :mod:`~adaptivespec.sglang.plugin` -- the ``sglang.srt.plugins`` entry point and its hooks.
 * :mod:`~adaptivespec.sglang.platform` -- devices, the CPU backend's flags and mode (AMX, or the
   AVX-512 mode whose ``cpu_shim/sitecustomize.py`` runs inside SGLang's processes), the preflight check.
-* :mod:`~adaptivespec.sglang.serve` -- ``adaptivespec serve``: the ``sglang.launch_server`` command.
+* :mod:`~adaptivespec.sglang.serve` -- ``adaptivespec serve``'s SGLang side: its flags, the
+  ``sglang.launch_server`` command (the front door, :mod:`adaptivespec.serve`, chooses the runtime).
 * :mod:`~adaptivespec.sglang.server` -- servers on loopback for tests, the bench and the soak.
 
 The environment variables below are how ``serve`` talks to the plugin inside SGLang's processes.

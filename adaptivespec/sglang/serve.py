@@ -11,9 +11,9 @@ With the embedded pair (``model.target: smollm2-135m-instruct``, ``model.drafter
 flag is needed: SGLang gets the converted safetensors folder in the adaptivespec cache and the
 shipped head folder.
 
-``--runtime torch`` serves the config on adaptivespec's own engine instead (one generation at a
-time; :mod:`adaptivespec.server`); ``auto``, the default, picks SGLang where it can serve here
-(:mod:`adaptivespec.server.launch`).
+``serve``'s front door (:mod:`adaptivespec.serve`) assembles the command from this module's flags
+(:func:`add_sglang_arguments`) and the torch runtime's, chooses the runtime and, for SGLang, hands
+over to :func:`run_sglang`. This module never imports the torch runtime's server.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from adaptivespec.costmodel import CostModel, resolve_profile
 from adaptivespec.drafter import resolve_drafter_path
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.models import EMBEDDED, embedded_folder
-from adaptivespec.server.launch import add_runtime_arguments, choose_runtime, first_line
 from adaptivespec.sglang import CONFIG_ENV, LOAD_PROFILE_ENV, METRICS_ENV, PLUGIN_NAME, TRACE_ENV, VERIFY_BUDGET_ENV
 from adaptivespec.sglang.controller import step_level_notice
 from adaptivespec.sglang.platform import CPU_MODE_ENV, cpu_args, cpu_env, detect_device, preflight
@@ -240,16 +239,14 @@ def serve(args: argparse.Namespace) -> None:
     os.execvpe(argv[0], argv, env)
 
 
-# -- CLI ------------------------------------------------------------------------------------------
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the config over OpenAI-compatible HTTP: SGLang's server with the "
-                                            "config's tree policy and verifier (CUDA, or a CPU with AMX), or "
-                                            "adaptivespec's torch engine (--runtime torch)")
-    p.add_argument("--config", required=True, help="YAML config (its policy and verifier are served)")
-    p.add_argument("--target", help="target model folder or Hugging Face id (default: the config's model.target)")
-    p.add_argument("--drafter", help="EAGLE-3 drafter folder or Hugging Face id (default: the config's model.drafter)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default: %(default)s)")
-    p.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
+# -- serve's SGLang side ----------------------------------------------------------------------------
+SGLANG_ONLY = {"overlap": "--overlap", "trace": "--trace", "verify_budget": "--verify-budget",
+               "load_profile": "--load-profile", "print_command": "--print-command", "sglang_args": "-- SGLANG_ARGS"}
+"""``serve`` flags (argparse dest: flag) that only SGLang's server has."""
+
+
+def add_sglang_arguments(p) -> None:
+    """``serve``'s flags that only SGLang's server has (:data:`SGLANG_ONLY`), onto a parser or group."""
     p.add_argument("--overlap", action="store_true",
                    help="keep SGLang's overlap scheduler (the policy then sees accept lengths one step late)")
     p.add_argument("--trace", metavar="PATH",
@@ -262,14 +259,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "batch > 1 the controller runs the bank shape expected to give the most tokens/s; 'none' turns "
                         f"it off; default 'auto': {SERVED_CPU_PROFILE} for adaptive policies on the embedded pair on a "
                         "CPU, else none")
-    p.add_argument("--no-metrics", action="store_true",
-                   help="no /metrics: leave out SGLang's --enable-metrics (on by default) and the adaptivespec_* series")
     p.add_argument("--print-command", action="store_true", help="print the environment and command, run nothing")
-    add_runtime_arguments(p)
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
-    p.set_defaults(func=run_serve)
-    return p
 
 
 def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
@@ -280,18 +272,13 @@ def format_command(argv: Sequence[str], env: Mapping[str, str]) -> str:
     return " ".join(shown + [shlex.join(argv)])
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    if args.sglang_args and args.sglang_args[0] == "--":
-        args.sglang_args = args.sglang_args[1:]
-    runtime, why = choose_runtime(args)
-    if runtime == "torch":
-        from adaptivespec.server.launch import run_torch
-
-        return run_torch(args, why)
+def run_sglang(args: argparse.Namespace, first_line: str) -> int:
+    """``serve --runtime sglang``: print the environment and command (``--print-command``), or print
+    ``first_line`` (which runtime and why) and replace this process with SGLang's server."""
     if args.print_command:
         argv, env = command_and_env(args, {k: v for k, v in os.environ.items() if k == "SGLANG_PLUGINS"})
         print(format_command(argv, env))
         return 0
-    print(first_line("sglang", why, args.host, args.port), file=sys.stderr, flush=True)
+    print(first_line, file=sys.stderr, flush=True)
     serve(args)
     return 0

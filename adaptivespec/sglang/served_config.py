@@ -1,6 +1,6 @@
 """A config as ``serve`` reads it (:class:`ServedConfig`), and what in it SGLang cannot serve
-(:func:`unservable`): imported by :mod:`adaptivespec.sglang.serve` and by the runtime choice of
-:mod:`adaptivespec.server.launch` (which ``serve`` imports: this module keeps the two apart)."""
+(:func:`unservable`): imported by :mod:`adaptivespec.sglang.serve` and by ``serve``'s front door
+(:mod:`adaptivespec.serve`), whose ``--runtime auto`` sends what SGLang cannot serve to the torch runtime."""
 
 from __future__ import annotations
 
