@@ -16,7 +16,7 @@ import threading
 import pydantic
 import pytest
 from fastapi.testclient import TestClient
-from test_torch_server import CHAT, CharTokenizer, ScriptedEngine, post, uvicorn_on_loopback, wait_for
+from test_torch_server import CHAT, HYBRID, ScriptedEngine, post, uvicorn_on_loopback, wait_for
 
 from adaptivespec.server import schema
 from adaptivespec.server import worker as worker_mod
@@ -396,7 +396,7 @@ def test_serve_flags_strict_fields_and_api_key(monkeypatch):
     from adaptivespec.cli import build_parser
     from adaptivespec.server import launch
 
-    base = ["serve", "--config", "configs/hybrid.yaml", "--runtime", "torch"]
+    base = ["serve", "--config", str(HYBRID), "--runtime", "torch"]
     args = build_parser().parse_args([*base, "--strict-fields", "--api-key", "abc"])
     assert args.strict_fields is True and launch.api_key_of(args) == "abc"
     monkeypatch.setenv(launch.API_KEY_ENV, "from-env")
@@ -405,3 +405,13 @@ def test_serve_flags_strict_fields_and_api_key(monkeypatch):
     monkeypatch.setenv(launch.API_KEY_ENV, "")
     assert launch.api_key_of(build_parser().parse_args(base)) is None
     assert "strict_fields" in launch.TORCH_ONLY and "api_key" in launch.TORCH_ONLY
+
+
+@pytest.mark.parametrize("flag", [["--strict-fields"], ["--api-key", "abc"]])
+def test_the_torch_runtimes_flags_are_refused_with_sglang(flag, capsys):
+    from adaptivespec.cli import main
+
+    assert main(["serve", "--config", str(HYBRID), "--runtime", "sglang", *flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"adaptivespec: error: {flag[0]}: only with --runtime torch") and "\n" not in err
+    assert "abc" not in err

@@ -139,7 +139,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
     ({}, "messages", "non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
     ({**CHAT, "max_tokens": -5}, "max_tokens", "got -5"),
-    ({**CHAT, "temperature": -1}, "temperature", "a number >= 0"),
+    ({**CHAT, "temperature": -1}, "temperature", "0 or a number in [1e-06, 100]"),
     ({**CHAT, "top_p": 0}, "top_p", "(0, 1]"),
     ({**CHAT, "seed": "x"}, "seed", "non-negative integer"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
@@ -154,7 +154,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
 def test_bad_requests_name_the_field_value_and_expectation(body, field, words):
     config = load_config(HYBRID)
     with pytest.raises(RequestError) as err:
-        parse_request(body, chat=True, defaults=config.generation, vocab_size=100)
+        parse_request(body, chat=True, defaults=config.generation, vocab_size=100, strict=True)  # max_token: refused
     assert err.value.status == 400 and err.value.param == field
     assert err.value.message.startswith(field) and words in err.value.message and "\n" not in err.value.message
 

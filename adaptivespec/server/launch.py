@@ -10,6 +10,7 @@ one worker thread, uvicorn on the asked host and port. This module never imports
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -19,8 +20,11 @@ from adaptivespec.errors import AdaptiveSpecError
 DEFAULT_PARALLEL = 8
 DEFAULT_QUEUE_SIZE = 16
 LISTEN_BACKLOG = 2048  # uvicorn's default
-TORCH_ONLY = {"parallel": "--parallel", "queue_size": "--queue-size", "overrides": "--set", "no_trim": "--no-trim"}
+TORCH_ONLY = {"parallel": "--parallel", "queue_size": "--queue-size", "overrides": "--set", "no_trim": "--no-trim",
+              "strict_fields": "--strict-fields", "api_key": "--api-key"}
 """``serve`` flags (argparse dest: flag) that only the torch runtime has."""
+API_KEY_ENV = "ADAPTIVESPEC_API_KEY"
+"""The torch runtime's API key when ``--api-key`` is not given (keeps the key out of ``ps``)."""
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +46,17 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-trim", action="store_true",
                    help="torch runtime: do not hand the C heap's free pages back to the system after each generation "
                         "(malloc_trim, glibc only; a few ms per generation)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="torch runtime: refuse request fields the server ignores or does not know with a 400 (default: "
+                        "accept them and log each name once, as vLLM does)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"torch runtime: every route but /health answers 401 without 'Authorization: Bearer KEY' "
+                        f"(default: ${API_KEY_ENV} if set, else no key; SGLang: pass -- --api-key KEY)")
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The torch runtime's API key: ``--api-key``, else ``$ADAPTIVESPEC_API_KEY``; None (or empty): none."""
+    return getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -95,11 +110,12 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
                     trim=not getattr(args, "no_trim", False)).start()
     engine = worker.wait_ready()
     service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem,
+                      strict_fields=getattr(args, "strict_fields", False), api_key=api_key_of(args),
                       context_length=args.context_length)
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
     announce_ready(sock, f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
                          f"{'' if engine.lossless else ', lossy'}), one generation at a time, "
-                         f"{worker.queue_size} may wait")
+                         f"{worker.queue_size} may wait{', API key required' if service.api_key else ''}")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                                            backlog=LISTEN_BACKLOG))
     server.run(sockets=[sock])
