@@ -25,7 +25,7 @@ from adaptivespec.fastpath.kvcache import buffered_cache, empty, reusable
 from adaptivespec.fastpath.prepack import prepack_linears
 from adaptivespec.models import cache_forward
 from adaptivespec.sampling import pick_next, root_stats
-from adaptivespec.tree import draft_tree
+from adaptivespec.tree import DraftLevels, draft_levels, draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
 
@@ -189,72 +189,113 @@ class TorchRuntime:
         """Draft a tree of ``shape`` below the root; ``rules`` is the tree policy.
 
         Uses the shape's executor: the drafter's level masks and slot ancestry are written into
-        its preallocated buffers (the tree block only) and the block is cleared after use.
+        its preallocated buffers (the tree block only) and the block is cleared after use
+        (:class:`LevelMasks`).
         """
         d = self.drafter
-        ex = self.bank.get(shape)
-        base = d.length  # == P: committed drafter positions
-        used = 0  # drafter slots taken by expanded nodes of this tree
+        masks = LevelMasks(self, shape)
 
         def expand(tokens, states, parent_slots, depth):
-            nonlocal used
-            b, end = tokens.shape[0], used + tokens.shape[0]
-            anc = ex.slot_anc  # anc[i, j]: slot j is slot i or one of its ancestors
-            if used:
-                anc[used:end, :used] = anc[parent_slots.clamp(min=0), :used] & (parent_slots >= 0).unsqueeze(1)
-            own = anc[used:end, used:end]
-            own.zero_()
-            own.fill_diagonal_(True)
-            mask = ex.draft_mask[:, :, :b, : base + end]  # [1, 1, b, base + end], 0 outside the block
-            block = mask[0, 0, :, base:]
-            block.masked_fill_(~anc[used:end, :end], self.neg)
-            positions = torch.full((b,), base + depth - 1, dtype=torch.long, device=self.device)
+            positions, mask = masks.inputs(tokens.shape[0], parent_slots, depth)
             out = d.step(tokens, states, positions, mask)
-            block.zero_()
-            used = end
+            masks.clear()
             return d.log_probs(out), out
 
         return draft_tree(shape, self.root, self.root_logp, self.root_state, expand, d.to_target, rules)
 
+    def draft_levels(self, shape: TreeShape, rules) -> DraftLevels:
+        """:meth:`draft`'s tree as a generator of levels (:func:`~adaptivespec.tree.draft_levels`),
+        for a driver that runs the drafter itself (the batch engine)."""
+        return draft_levels(shape, self.root, self.root_logp, self.root_state, self.drafter.to_target, rules)
+
+    def verify_inputs(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree's verify rows: positions [n] and the additive mask [1, 1, n, P + n] (written into
+        the shape's buffer: :meth:`verify_done` clears it after the forward)."""
+        n = tree.size
+        mask = self.bank.get(tree.shape).verify_mask[:, :, :n, : self.P + n]  # [1, 1, n, P + n]
+        mask[0, 0, :, self.P :].masked_fill_(~tree.ancestors, self.neg)
+        return self.P + tree.depth, mask
+
+    def verify_done(self, tree: DraftTree) -> None:
+        self.bank.get(tree.shape).verify_mask[0, 0, : tree.size, self.P : self.P + tree.size].zero_()
+
     @torch.inference_mode()
     def verify_forward(self, tree: DraftTree):
         """One target forward over the tree. Returns (logits [n, V], hidden_states tuple)."""
-        n = tree.size
-        mask = self.bank.get(tree.shape).verify_mask[:, :, :n, : self.P + n]  # [1, 1, n, P + n]
-        block = mask[0, 0, :, self.P :]
-        block.masked_fill_(~tree.ancestors, self.neg)
-        positions = (self.P + tree.depth).unsqueeze(0)
+        positions, mask = self.verify_inputs(tree)
         out = self.forward(
             input_ids=tree.tokens.unsqueeze(0),
-            position_ids=positions,
+            position_ids=positions.unsqueeze(0),
             attention_mask=mask,
             cache=self.cache,
             use_cache=True,
             output_hidden_states=self.drafter is not None,  # only the drafter's extension reads them
         )
-        block.zero_()
+        self.verify_done(tree)
         return out.logits[0], out.hidden_states
 
     @torch.inference_mode()
     def commit(self, tree: DraftTree, result: VerifyResult, hidden_states) -> None:
         """Keep only the accepted path in both caches and extend the drafter with it."""
+        extension = self.commit_target(tree, result, hidden_states)
+        if extension is not None:
+            self._set_root(self.drafter.step(*extension, None)[-1])
+        self.advance(result)
+
+    def commit_target(self, tree: DraftTree, result: VerifyResult, hidden_states):
+        """The target's half of :meth:`commit`: its cache keeps the accepted path; the drafter's drops
+        the draft slots. Returns the drafter's extension ``(tokens [kept], states [kept, H],
+        positions [kept])``: the accepted pairs (token[i+1], state[i]) to run through it (None
+        without a drafter). Then :meth:`advance`."""
         path = result.path
         kept = len(path)
         idx = torch.tensor(path, dtype=torch.long, device=self.device)
         compact_cache(self.cache, self.P, path, idx, tree.size)
         if self.drafter is None:  # candidate sources alone: no drafter to extend
-            self.P += kept
-            self.root = torch.tensor(result.tokens[-1], dtype=torch.long, device=self.device)
-            return
-        # Drafter: drop the draft slots, then run the accepted pairs (token[i+1], state[i]).
+            return None
         d = self.drafter
         d.length = self.P
         state = d.fuse(hidden_states, idx)[0]  # [kept, H]
         tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
-        positions = self.P + torch.arange(kept, device=self.device)
-        self._set_root(d.step(tokens, state, positions, None)[-1])
-        self.P += kept
-        self.root = tokens[-1]
+        return tokens, state, self.P + torch.arange(kept, device=self.device)
+
+    def advance(self, result: VerifyResult) -> None:
+        """The accepted path is in the caches: the context grows by it and the bonus token is the root."""
+        self.P += len(result.path)
+        self.root = torch.tensor(result.tokens[-1], dtype=torch.long, device=self.device)
+
+
+class LevelMasks:
+    """The drafter-side bookkeeping of one tree being drafted with ``shape``'s executor: which
+    drafter-cache slot each expanded node took, and each level's attention mask (the committed
+    context plus the node's ancestors among the slots), written into the executor's buffers."""
+
+    def __init__(self, rt: TorchRuntime, shape: TreeShape) -> None:
+        self.rt, self.ex = rt, rt.bank.get(shape)
+        self.base = rt.drafter.length  # == P: committed drafter positions
+        self.used = 0  # drafter slots taken by expanded nodes of this tree
+        self._block = None
+
+    def inputs(self, b: int, parent_slots: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [b] and mask [1, 1, b, base + used + b] of a level of ``b`` nodes whose parents
+        took ``parent_slots`` (-1: the root); they take the next ``b`` slots."""
+        ex, used, base = self.ex, self.used, self.base
+        end = used + b
+        anc = ex.slot_anc  # anc[i, j]: slot j is slot i or one of its ancestors
+        if used:
+            anc[used:end, :used] = anc[parent_slots.clamp(min=0), :used] & (parent_slots >= 0).unsqueeze(1)
+        own = anc[used:end, used:end]
+        own.zero_()
+        own.fill_diagonal_(True)
+        mask = ex.draft_mask[:, :, :b, : base + end]  # [1, 1, b, base + end], 0 outside the block
+        self._block = mask[0, 0, :, base:]
+        self._block.masked_fill_(~anc[used:end, :end], self.rt.neg)
+        self.used = end
+        return torch.full((b,), base + depth - 1, dtype=torch.long, device=self.rt.device), mask
+
+    def clear(self) -> None:
+        """The level ran: its mask block back to 0."""
+        self._block.zero_()
 
 
 @adaptivespec.hookimpl
