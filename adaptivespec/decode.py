@@ -16,7 +16,7 @@ advance it in :meth:`Engine._take`.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import attrs
 import torch
@@ -32,11 +32,21 @@ from adaptivespec.types import StepRecord
 _MODELS: dict[tuple, Any] = {}
 
 
+def eos_ids(tokenizer, target) -> frozenset[int]:
+    """Every id that ends a generation: the tokenizer's EOS and each one the target's generation config
+    lists (``generation_config.json``'s ``eos_token_id``, an id or a list: Llama-3's ``<|eot_id|>`` and
+    ``<|eom_id|>``, as transformers' ``generate`` stops on them)."""
+    ids = {tokenizer.eos_token_id}
+    listed = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids.update(listed if isinstance(listed, (list, tuple, set)) else [listed])
+    return frozenset(int(i) for i in ids if i is not None)
+
+
 def load_models(config: Config, host) -> tuple[Any, Any, Any]:
     """(target, tokenizer, drafter or None), cached per process so several configs share one load."""
     key = (config.model.target, config.runtime.dtype, config.runtime.device)
     if key not in _MODELS:
-        _MODELS[key] = load_target(*key)
+        _MODELS[key] = load_target(*key, decoding=True)
     target, tok = _MODELS[key]
     drafter = None
     if config.model.drafter is not None:
@@ -53,7 +63,7 @@ class GenerationResult:
     """One finished generation."""
 
     token_ids: list[int]
-    """Generated ids only (the final EOS included when generation stopped there)."""
+    """Generated ids only (the final EOS or stop id included when generation stopped there)."""
     text: str
     stats: dict[str, Any]
     """new_tokens, target_forwards, accept_length_mean, wall_seconds, tokens_per_second, promoted_tokens,
@@ -92,7 +102,13 @@ class Engine:
         if self.proposer.active:  # one executor per shape the policy may choose, built up front
             self.runtime.prepare(policy.shapes(), capacity=2 * config.generation.max_new_tokens + 512,
                                  extra_rows=self.proposer.extra_slots())
-        self.eos = self.tokenizer.eos_token_id if config.generation.stop_at_eos else None
+        stop = config.generation.stop_at_eos
+        self.eos_ids: frozenset[int] = eos_ids(self.tokenizer, self.target) if stop else frozenset()
+        """Every id that ends a generation (:func:`eos_ids`; empty when ``generation.stop_at_eos`` is off)."""
+        primary = self.tokenizer.eos_token_id
+        self.eos = (primary if primary is not None else min(self.eos_ids, default=None)) if stop else None
+        """The primary EOS id (the tokenizer's) or None; :attr:`eos_ids` holds them all."""
+        self._stops: frozenset[int] = self.eos_ids  # this generation's: eos_ids and the request's stop_ids
         self._observe = host.has_observers("adaptivespec_step")
         self.constraint = None
         """The running generation's grammar state (None: free text)."""
@@ -132,9 +148,9 @@ class Engine:
         return encode_prompt(self.tokenizer, text, chat=self.config.generation.chat_template and not raw)
 
     def generate(self, text: str, *, raw: bool = False, max_new_tokens: int | None = None, on_tokens=None,
-                 seed: int | None = None, response_format=None) -> GenerationResult:
+                 seed: int | None = None, response_format=None, stop_ids: Iterable[int] | None = None) -> GenerationResult:
         return self.generate_ids(self.encode(text, raw), max_new_tokens=max_new_tokens, on_tokens=on_tokens, seed=seed,
-                                 response_format=response_format)
+                                 response_format=response_format, stop_ids=stop_ids)
 
     def make_constraint(self, response_format=None):
         """A fresh grammar state for ``response_format`` (default: the config's), or None (free text)."""
@@ -152,14 +168,18 @@ class Engine:
         on_step: Callable[[StepRecord], None] | None = None,
         seed: int | None = None,
         response_format=None,
+        stop_ids: Iterable[int] | None = None,
     ) -> GenerationResult:
         """Generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids.
 
         Greedy at ``generation.temperature`` 0; otherwise sampled, the generator reseeded with
         ``seed`` (default ``generation.seed``) so that a seed always gives the same output.
         ``response_format`` (a :class:`~adaptivespec.response_format.ResponseFormat`; default the
-        config's ``generation.response_format``) constrains the output."""
+        config's ``generation.response_format``) constrains the output. ``stop_ids``: token ids that
+        end this generation besides :attr:`eos_ids` (the API's ``stop_token_ids``; kept in the output,
+        as an EOS is)."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
+        self._stops = self.eos_ids.union(int(i) for i in stop_ids) if stop_ids else self.eos_ids
         if self.sampler is not None:
             self.sampler.reseed(self.config.generation.seed if seed is None else seed)
         rt, proposer = self.runtime, self.proposer
@@ -257,16 +277,18 @@ class Engine:
         return record, done
 
     def _take(self, out: list[int], tokens: list[int], limit: int, on_tokens) -> bool:
-        """Append ``tokens`` up to EOS (inclusive), the limit or the grammar's end; True when
-        generation is finished."""
+        """Append ``tokens`` up to a stop id (an EOS or the request's, inclusive), the limit or the
+        grammar's end; True when generation is finished."""
         room = limit - len(out)
         chunk = tokens[:room]
-        if self.eos is not None and self.eos in chunk:
-            chunk = chunk[: chunk.index(self.eos) + 1]
+        stops = self._stops
+        stopped = next((i for i, t in enumerate(chunk) if t in stops), None) if stops else None
+        if stopped is not None:
+            chunk = chunk[: stopped + 1]
         if self.constraint is not None:  # the grammar follows the emitted tokens, up to its stop token
             chunk = chunk[: self.constraint.accept(chunk)]
         out.extend(chunk)
         if on_tokens is not None and chunk:
             on_tokens(chunk)
         ended = self.constraint is not None and self.constraint.terminated
-        return ended or len(out) >= limit or (self.eos is not None and bool(chunk) and chunk[-1] == self.eos)
+        return ended or len(out) >= limit or (bool(chunk) and chunk[-1] in stops)

@@ -27,6 +27,7 @@ drafting.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 import adaptivespec
 from adaptivespec.errors import ModelLoadError
 
+log = logging.getLogger("adaptivespec.models")
 EMBEDDED_HEAD = Path(__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
@@ -196,35 +198,39 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: nn.Module, dtype: torch.dtype | None = None, device: Any = None) -> "Eagle3Drafter":
-        """Load a head written in the EAGLE-3 layout for ``target`` (checks they fit together)."""
+        """Load a head written in the EAGLE-3 layout for ``target`` (checks they fit together).
+
+        ``path``: a folder, ``embedded``, or a Hugging Face id already in the local cache. The head's
+        own ``config.json`` decides its shape (:func:`head_config`)."""
         path = resolve_drafter_path(path)
-        raw = json.loads((path / "config.json").read_text())
-        tc = target.config
         where = f"drafter {path}"
-        vocab = raw.get("vocab_size")
-        if vocab != tc.vocab_size:
-            raise ModelLoadError(f"{where}: vocab_size {vocab} does not match the target's {tc.vocab_size}")
-        raw.pop("architectures", None)
-        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(tc.num_hidden_layers)
-        if len(aux) != 3 or max(aux) + 1 >= tc.num_hidden_layers + 1:
-            raise ModelLoadError(f"{where}: eagle_aux_hidden_state_layer_ids {aux} must be 3 layers of a {tc.num_hidden_layers}-layer target")
-        target_hidden = raw.get("target_hidden_size") or tc.hidden_size
-        over = {k: raw[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings") if raw.get(k)}
-        if raw.get("rope_parameters"):
-            over["rope_parameters"] = raw["rope_parameters"]
-        elif raw.get("rope_theta"):
-            over["rope_parameters"] = {"rope_type": "default", "rope_theta": raw["rope_theta"]}
-        cfg = cls.make_config(tc, int(raw.get("draft_vocab_size") or tc.vocab_size), **over)
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except ValueError as exc:
+            raise ModelLoadError(f"{where}: config.json is not JSON ({exc})") from None
+        cfg, aux, target_hidden = head_config(raw, target.config, where)
         head = cls(cfg, target.get_input_embeddings(), aux, target_hidden)
         state = _read_weights(path)
         state = {k.removeprefix("model."): v for k, v in state.items() if not k.endswith("embed_tokens.weight")}
         if "d2t" not in state:  # a full-vocabulary head
             state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
             state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary.")]
+        own = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
         if missing or unexpected:
             raise ModelLoadError(f"{where}: checkpoint does not match the EAGLE-3 layout (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        wrong = [f"{k} {list(state[k].shape)} (config.json makes it {list(v.shape)})" for k, v in own.items()
+                 if state[k].shape != v.shape]
+        if wrong:
+            raise ModelLoadError(f"{where}: the weights do not fit config.json (hidden_size, intermediate_size, "
+                                 f"num_attention_heads, num_key_value_heads, head_dim, draft_vocab_size, "
+                                 f"target_hidden_size): {'; '.join(wrong[:3])}")
+        top = int((state["d2t"] + torch.arange(cfg.draft_vocab_size)).max()) if cfg.draft_vocab_size else 0
+        if top >= cfg.vocab_size:
+            raise ModelLoadError(f"{where}: d2t maps a draft id to target id {top}, outside the target's vocabulary "
+                                 f"of {cfg.vocab_size}")
+        head.load_state_dict(state, strict=False)
         p = next(target.parameters())
         return head.to(dtype=dtype or p.dtype, device=device or p.device).eval()
 
@@ -323,6 +329,81 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
+DEFAULT_ROPE_THETA = 10000.0
+"""RoPE θ of a head whose config.json names no RoPE keys: the reference implementations' (SGLang's
+``LlamaForCausalLMEagle3`` reads the head's own config, ``rope_theta`` defaulting to 10000; EAGLE's
+``cnets.py`` builds its rotary embedding with base 10000 unless the config names ``rope_theta``).
+Published heads trained that way (yuhuili's EAGLE3-LLaMA3.1-Instruct-8B names none) would lose
+acceptance if they inherited the target's θ 500000 and llama3 scaling."""
+_told: set[str] = set()
+
+
+def head_rope(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The head's RoPE parameters (transformers' ``rope_parameters``) from its config.json, and whether
+    the config named any: ``rope_parameters``, else ``rope_scaling`` (the legacy key: its ``type`` or
+    ``rope_type``, factor, ...) with ``rope_theta``, else θ :data:`DEFAULT_ROPE_THETA` unscaled."""
+    if raw.get("rope_parameters"):
+        return dict(raw["rope_parameters"]), True
+    scaling, theta = raw.get("rope_scaling"), raw.get("rope_theta")
+    if not scaling and theta is None:
+        return {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA}, False
+    params = dict(scaling or {})
+    kind = params.pop("type", None)
+    params["rope_type"] = params.get("rope_type") or kind or "default"
+    params["rope_theta"] = float(theta if theta is not None else DEFAULT_ROPE_THETA)
+    return params, True
+
+
+def head_config(raw: dict[str, Any], target_config: Any, where: str) -> tuple[LlamaConfig, list[int], int]:
+    """(config, fused target layers, target hidden size) of a head from its ``config.json`` ``raw``,
+    checked against the target's config; a head that does not fit is a one-line
+    :class:`~adaptivespec.errors.ModelLoadError` naming the keys.
+
+    The head's own keys decide its shape, as ``LlamaConfig`` reads them: ``head_dim`` when given,
+    else ``hidden_size / num_attention_heads`` (never the target's ``head_dim``: a Qwen3 target's 128
+    is not its head's); ``num_key_value_heads`` defaults to the heads. Keys the config leaves out
+    (``intermediate_size``, ``rms_norm_eps``, ...) mirror the target's, as :meth:`Eagle3Drafter.make_config`
+    does for a new head. RoPE: :func:`head_rope` (its default said once in the log)."""
+    tc = target_config
+    hidden = raw.get("hidden_size") or tc.hidden_size
+    if hidden != tc.hidden_size:
+        raise ModelLoadError(f"{where}: hidden_size {hidden} does not match the target's hidden_size {tc.hidden_size} "
+                             "(the head reads the target's token embeddings)")
+    vocab = raw.get("vocab_size") or tc.vocab_size
+    if vocab != tc.vocab_size:
+        raise ModelLoadError(f"{where}: vocab_size {vocab} does not match the target's {tc.vocab_size}")
+    draft_vocab = int(raw.get("draft_vocab_size") or tc.vocab_size)
+    if not 0 < draft_vocab <= tc.vocab_size:
+        raise ModelLoadError(f"{where}: draft_vocab_size {draft_vocab}: expected 1 to the target's vocab_size {tc.vocab_size}")
+    target_hidden = raw.get("target_hidden_size") or tc.hidden_size
+    if target_hidden != tc.hidden_size:
+        raise ModelLoadError(f"{where}: target_hidden_size {target_hidden} does not match the target's hidden_size "
+                             f"{tc.hidden_size}")
+    aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(tc.num_hidden_layers)
+    if len(aux) != 3 or min(aux) < 0 or max(aux) >= tc.num_hidden_layers:
+        raise ModelLoadError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids {aux}: expected 3 layers of "
+                             f"the {tc.num_hidden_layers}-layer target (0 to {tc.num_hidden_layers - 1})")
+    heads = raw.get("num_attention_heads") or tc.num_attention_heads
+    kv_heads = raw.get("num_key_value_heads") or (heads if raw.get("num_attention_heads") else tc.num_key_value_heads)
+    head_dim = raw.get("head_dim")
+    if not head_dim:
+        if hidden % heads:
+            raise ModelLoadError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} and "
+                                 "config.json names no head_dim")
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    rope, named = head_rope(raw)
+    if not named and where not in _told:
+        _told.add(where)
+        log.warning("%s: config.json names no rope_theta, rope_scaling or rope_parameters: RoPE θ %g unscaled, as "
+                    "SGLang and EAGLE read such a head (not the target's RoPE)", where, DEFAULT_ROPE_THETA)
+    over = {k: raw[k] for k in ("intermediate_size", "rms_norm_eps", "max_position_embeddings") if raw.get(k)}
+    cfg = Eagle3Drafter.make_config(tc, draft_vocab, hidden_size=hidden, num_attention_heads=heads,
+                                    num_key_value_heads=kv_heads, head_dim=head_dim, rope_parameters=rope, **over)
+    return cfg, list(aux), target_hidden
+
+
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
@@ -334,7 +415,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def resolve_drafter_path(path: str | Path) -> Path:
-    """``embedded`` -> the shipped head; otherwise a local folder with config.json."""
+    """``embedded`` -> the shipped head; a local folder with config.json; or a Hugging Face id
+    (``owner/name``) already in the local cache, as ``model.target`` accepts one: never downloaded."""
     if str(path) == "embedded":
         if not (EMBEDDED_HEAD / "config.json").is_file():
             raise ModelLoadError(
@@ -343,14 +425,40 @@ def resolve_drafter_path(path: str | Path) -> Path:
             )
         return EMBEDDED_HEAD
     p = Path(path).expanduser()
+    if not p.exists() and _looks_like_id(str(path)):
+        cached = _cached_snapshot(str(path))
+        if cached is None:
+            raise ModelLoadError(
+                f"model.drafter: {str(path)!r} is neither a folder nor a Hugging Face id in the local cache (nothing is "
+                "downloaded); expected an EAGLE-3 head folder (config.json + model.safetensors), a cached id, "
+                "'embedded', or null for autoregressive decoding"
+            )
+        p = cached
     if not p.is_dir():
         raise ModelLoadError(
             f"model.drafter: {str(path)!r} is not a folder; expected an EAGLE-3 head folder "
-            "(config.json + model.safetensors), 'embedded', or null for autoregressive decoding"
+            "(config.json + model.safetensors), a Hugging Face id in the local cache, 'embedded', or null for "
+            "autoregressive decoding"
         )
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"model.drafter: {p} has no config.json; expected an EAGLE-3 head folder")
     return p
+
+
+def _looks_like_id(text: str) -> bool:
+    """``owner/name`` as the Hugging Face hub spells a repository (not a path: no leading ``.``, ``/`` or ``~``)."""
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The local snapshot folder of ``repo_id`` in the Hugging Face cache, or None; never downloads."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError), a malformed id, no hub library
+        return None
 
 
 @adaptivespec.hookimpl

@@ -98,15 +98,68 @@ def resolve_target(target: str) -> str:
     return str(p) if p.exists() else target
 
 
-def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu"):
-    """(model, tokenizer) for ``model.target``; never downloads (local folders or the HF cache)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+FULL_ATTENTION = "full_attention"
+WINDOWED = ("sliding_attention", "chunked_attention")
+"""Layer types that attend over a window of the last positions only (transformers' names)."""
+
+
+def layer_types(config) -> list[tuple[str, int | None]]:
+    """(layer type, window or None) of every decoder layer of ``config``, as transformers' caches read
+    them (``layer_types``, else ``sliding_window`` / ``attention_chunk_size``)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:  # an older transformers: the same rule, read by hand
+        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        kinds = getattr(text, "layer_types", None) or [WINDOWED[0] if window else FULL_ATTENTION] * text.num_hidden_layers
+        return [(k, window if k in WINDOWED else None) for k in kinds]
+    kinds, kwargs = get_layer_types_and_kwargs(text)
+    return [(k, kw.get("sliding_window")) for k, kw in zip(kinds, kwargs)]
+
+
+def attention_unsupported(config) -> str | None:
+    """Why the torch runtime cannot decode a model of ``config`` exactly (its caches, tree masks and
+    fused forward attend over the whole context), naming the first layer that does not fit; None
+    when every layer is full attention.
+
+    A window of at least ``max_position_embeddings`` positions is full attention for every context
+    the model is made for, and passes; a narrower one (Mistral's ``sliding_window``, Qwen2's
+    ``use_sliding_window``) and every other kind of layer (linear attention, Mamba, hybrid: Qwen3-Next,
+    Jamba) are refused."""
+    limit = getattr(config, "max_position_embeddings", None)
+    for i, (kind, window) in enumerate(layer_types(config)):
+        if kind == FULL_ATTENTION:
+            continue
+        if kind in WINDOWED and window is not None and limit is not None and window >= limit:
+            continue  # wider than any position the model takes: full attention
+        if kind in WINDOWED:
+            return (f"layer {i} is {kind!r} with a window of {window} positions (max_position_embeddings "
+                    f"{limit}): the torch runtime attends over the whole context, so outputs past the window "
+                    "would differ; expected full attention or a window of at least max_position_embeddings")
+        return (f"layer {i} is {kind!r}: the torch runtime keeps a full-attention KV cache per layer "
+                "(no recurrent or hybrid state); expected full-attention layers only")
+    return None
+
+
+def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, decoding: bool = False):
+    """(model, tokenizer) for ``model.target``; never downloads (local folders or the HF cache).
+
+    ``decoding``: the model is for the engine's runtime, so a layer kind it cannot decode exactly
+    (:func:`attention_unsupported`) is refused here, from the config, before the weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     where = resolve_target(target)
     local = Path(where).exists()
+    if decoding:
+        try:
+            reason = attention_unsupported(AutoConfig.from_pretrained(where, local_files_only=True))
+        except (OSError, ValueError):
+            reason = None  # the load below names what is wrong
+        if reason is not None:
+            raise ModelLoadError(f"model.target: {target!r}: {reason}")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=DTYPES[dtype], attn_implementation="sdpa", local_files_only=True

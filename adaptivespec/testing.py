@@ -364,14 +364,15 @@ class _LosslessEnv:
         self.head_dir = str(head_dir)
         self.references: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
-    def reference(self, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    def reference(self, prompt_ids: list[int], max_new_tokens: int, eos: list[int] | None) -> list[int]:
+        """transformers' greedy continuation, stopping at any of the ``eos`` ids (None: none)."""
         key = (tuple(prompt_ids), max_new_tokens)
         if key not in self.references:
             ids = torch.tensor([prompt_ids])
             with torch.inference_mode():
                 out = self.target.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                    eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                    eos_token_id=eos, pad_token_id=eos[0] if eos else 0,
                 )
             self.references[key] = out[0, ids.shape[1]:].tolist()
         return self.references[key]
@@ -393,7 +394,7 @@ class _LosslessEnv:
         results = []
         for prompt in prompts or LOSSLESS_PROMPTS:
             ids = engine.encode(prompt)
-            want = self.reference(ids, max_new_tokens, engine.eos)
+            want = self.reference(ids, max_new_tokens, sorted(engine.eos_ids) or None)
             if oracle:
                 engine.runtime.drafter.prime(ids + want)
             result = engine.generate_ids(ids, max_new_tokens=max_new_tokens)

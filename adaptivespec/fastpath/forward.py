@@ -1,5 +1,7 @@
 """A lean forward for Llama-layout targets in bfloat16 on a CPU: the torch runtime's plain step, fused.
 
+Llama-layout: Llama, Mistral, Qwen2 and Qwen3 (:data:`ARCHITECTURES`; full-attention layers only).
+
 transformers' ``LlamaForCausalLM.forward`` runs ~15 small torch ops and as many Python module
 calls per layer (mask creation, output records, kwargs plumbing, three projections for Q, K and V,
 two for gate and up). At SmolLM2-135M's size a one-token step is ~30 ms, of which the linear
@@ -33,9 +35,17 @@ import torch
 import torch.nn.functional as F
 
 from adaptivespec.fastpath.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
+from adaptivespec.models import attention_unsupported
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_FASTFORWARD"
 _ATTR = "_adaptivespec_fastforward"
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+"""``model_type`` s of the Llama layout :class:`FastLlama` runs: Llama (llama3 RoPE scaling through the
+model's own rotary module, tied or untied embeddings, grouped KV heads), Mistral (full attention),
+Qwen2 (biases on Q, K and V: packed with the weights) and Qwen3 (RMSNorm of every query and key head
+before RoPE; ``head_dim`` set apart from hidden / heads)."""
 
 
 def supported(model) -> str | None:
@@ -43,13 +53,19 @@ def supported(model) -> str | None:
     cfg = getattr(model, "config", None)
     if os.environ.get(DISABLE_ENV, "0") == "1":
         return f"${DISABLE_ENV}=1"
-    if cfg is None or getattr(cfg, "model_type", None) != "llama":
-        return "not a Llama-layout model"
+    if cfg is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
+        return f"not a Llama-layout model ({', '.join(ARCHITECTURES)})"
     if not can_prepack(model):
         return "not bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "unexpected module layout"
+    qk_norm = [hasattr(layer.self_attn, "q_norm") for layer in inner.layers]
+    if any(qk_norm) != (cfg.model_type == "qwen3") or len(set(qk_norm)) > 1:
+        return "query / key norms where the architecture has none (or the reverse)"
+    reason = attention_unsupported(cfg)
+    if reason is not None:
+        return reason
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return "activation or tensor-parallel layout differs"
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "adaptivespec_sdpa", "eager"):
@@ -190,7 +206,8 @@ def pack(mods, dtype, sgl) -> PackedWeight:
 
 
 class _Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "w_in", "w_post", "eps_in", "eps_post")
+    __slots__ = ("qkv", "o", "gate_up", "down", "w_in", "w_post", "eps_in", "eps_post", "qk_norm", "q_norm", "k_norm",
+                 "eps_qk")
 
 
 class FastLlama:
@@ -224,6 +241,14 @@ class FastLlama:
             L.w_in, L.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
             L.w_post, L.eps_post = (layer.post_attention_layernorm.weight.detach(),
                                     layer.post_attention_layernorm.variance_epsilon)
+            L.qk_norm = L.q_norm = L.k_norm = None
+            if hasattr(a, "q_norm"):  # Qwen3: one RMSNorm over head_dim for every query head, one for every key head
+                L.q_norm, L.k_norm = a.q_norm.weight.detach(), a.k_norm.weight.detach()
+                L.eps_qk = a.q_norm.variance_epsilon
+                if a.k_norm.variance_epsilon != L.eps_qk:
+                    raise ValueError("q_norm and k_norm with different epsilons")
+                # [H + Hkv, D]: the rows of the Q|K block normed in one op (torch's path)
+                L.qk_norm = torch.cat([L.q_norm.expand(self.heads, -1), L.k_norm.expand(self.kv_heads, -1)])
             self.layers.append(L)
         self.lm_head = pack((model.lm_head,), dtype, sgl)
 
@@ -246,8 +271,22 @@ class FastLlama:
         n = h.shape[0]
         H, Hkv, D, qs, ks = self.heads, self.kv_heads, self.head_dim, self.q_size, self.kv_size
         qkv = L.qkv(self._rms(h, L.w_in, L.eps_in))  # [n, qs + 2 ks]
-        qk = rope(qkv[:, : qs + ks].view(n, H + Hkv, D), cos, sin)
+        qk = qkv[:, : qs + ks].view(n, H + Hkv, D)
+        if L.qk_norm is not None:  # Qwen3: every query and key head RMS-normed over D, before RoPE
+            qk = self._head_norm(L, qk)
+        qk = rope(qk, cos, sin)
         return qk[:, :H], qk[:, H:], qkv[:, qs + ks:].view(n, Hkv, D)
+
+    def _head_norm(self, L: _Layer, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's ``q_norm`` / ``k_norm`` of the Q|K block ``qk`` [n, H + Hkv, D]: with torch's ops one
+        RMSNorm over D (transformers' rounding) scaled by the stacked weights; with SGLang's kernel one
+        call per part (it takes rows of one weight)."""
+        if self.sgl is None:
+            return L.qk_norm * F.rms_norm(qk.float(), (qk.shape[-1],), None, L.eps_qk).to(qk.dtype)
+        n, H, D = qk.shape[0], self.heads, self.head_dim
+        q = self.sgl.rmsnorm_cpu(qk[:, :H].reshape(n * H, D), L.q_norm, L.eps_qk).view(n, H, D)
+        k = self.sgl.rmsnorm_cpu(qk[:, H:].reshape(-1, D), L.k_norm, L.eps_qk).view(n, -1, D)
+        return torch.cat([q, k], dim=1)
 
     def finish(self, L: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The rest of layer ``L`` after attention (``attn`` [n, H_q * D]): output projection, residual,
