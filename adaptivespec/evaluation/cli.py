@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
 from adaptivespec.cli import positive_int
+from adaptivespec.evaluation.load import parse_levels
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -40,7 +42,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark configs (and peers) on an evaluation set: speed, accuracy, retention")
-    p.add_argument("--configs", nargs="+", required=True, metavar="FILE", help="YAML configs; each is named by its file stem")
+    p.add_argument("--configs", nargs="+", default=[], metavar="FILE",
+                   help="YAML configs; each is named by its file stem (required, except with --concurrency and --served-configs)")
     _add_common(p)
     p.add_argument("--peers", metavar="NAMES", help="comma-separated baselines run alongside: hf-generate, "
                    "hf-prompt-lookup (transformers); sglang, sglang-eagle3, sglang-ngram, sglang-adaptive (SGLang servers; sglang-adaptive is reported as not supported where it cannot start)")
@@ -51,6 +54,14 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--backend", choices=("torch", "sglang"), default="torch",
                    help="run the configs on adaptivespec's torch engine (default) or served by SGLang with the "
                         "plugin (adaptivespec serve; one server per config, started and stopped by the bench)")
+    p.add_argument("--concurrency", type=parse_levels, metavar="C1,C2,...",
+                   help="measure the contenders served over HTTP (--served-configs, SGLang --peers, llama-server) "
+                        "under load instead: at each level C, C streamed requests in flight at all times; prints "
+                        "total and per-request tok/s and inter-token latency per contender and level, writes "
+                        "load.json, load.md and load.png (e.g. 1,2,4,8,16)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="with --concurrency: llama.cpp's llama-server binary to measure beside the others (default: "
+                        "$ADAPTIVESPEC_LLAMA_SERVER, else llama-server on PATH; off: leave it out)")
     p.set_defaults(func=run_bench_command)
 
 
@@ -110,17 +121,37 @@ def _finish(results, out: Path, columns=()) -> int:
 
 
 def run_bench_command(args) -> int:
+    from adaptivespec.errors import AdaptiveSpecError
     from adaptivespec.evaluation.bench import run_bench
     from adaptivespec.evaluation.peers import parse_peers
     from adaptivespec.evaluation.spec import BenchSpec, Entry, load_bench_config
 
+    levels = getattr(args, "concurrency", None)
+    if getattr(args, "llama_server", None) and not levels:
+        raise AdaptiveSpecError(f"--llama-server {args.llama_server}: only with --concurrency (a load run)")
+    served = getattr(args, "served_configs", None) or []
+    if not args.configs and not (levels and served):
+        raise AdaptiveSpecError("--configs: expected one or more config files (only --concurrency with "
+                                "--served-configs runs without them)")
+    if levels and getattr(args, "backend", "torch") != "torch":
+        raise AdaptiveSpecError(f"--backend {args.backend}: --concurrency measures servers the bench starts itself; "
+                                "drop --backend")
     problems, max_new, overrides = _problems(args)
     entries = tuple(Entry(name=Path(c).stem, config=load_bench_config(c, overrides)) for c in args.configs)
     entries += tuple(Entry(name=Path(c).stem + "-served", config=load_bench_config(c, overrides), served=True)
-                     for c in getattr(args, "served_configs", None) or [])
+                     for c in served)
     spec = BenchSpec(entries=entries, peers=parse_peers(args.peers), dataset=args.dataset, data=args.data,
                      limit=args.limit, max_new_tokens=max_new, extra=_selection(args),
                      backend=getattr(args, "backend", "torch"))
+    if levels:
+        from adaptivespec.evaluation.load_bench import LOAD_JSON, LOAD_MD, LOAD_PNG, markdown, run_load
+
+        out = Path(args.out or f"runs/load-{args.dataset}")
+        results = run_load(spec, problems, out, levels, llama_server=getattr(args, "llama_server", None),
+                           progress=not args.no_progress, command=shlex.join(sys.argv))
+        print(markdown(results))
+        print(f"wrote {out}/{LOAD_JSON}, {LOAD_MD}, {LOAD_PNG}", file=sys.stderr)
+        return 0
     out = Path(args.out or f"runs/bench-{args.dataset}")
     results = run_bench(spec, problems, out, progress=not args.no_progress)
     return _finish(results, out)

@@ -4,7 +4,9 @@
 * :func:`accept_lengths`: distribution of drafted tokens accepted per step, per speculative config;
 * :func:`pareto`: a sweep's throughput against retention, the Pareto frontier highlighted and each
   point labelled with its parameter value(s);
-* :func:`category_speedups`: speedup per prompt category (datasets with categories).
+* :func:`category_speedups`: speedup per prompt category (datasets with categories);
+* :func:`concurrency`: a load run's (``bench --concurrency``) total tokens/s and inter-token
+  latency against the requests in flight, one line per contender.
 
 Each returns its :class:`~matplotlib.figure.Figure` (written to ``path`` as a PNG when one is given).
 """
@@ -194,4 +196,38 @@ def category_speedups(results: dict[str, Any], path: str | Path | None = None) -
     ax.set_title(f"by category — {_title(results)}", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(axis="y", alpha=0.3)
+    return _finish(plt, fig, path)
+
+
+def concurrency(results: dict[str, Any], path: str | Path | None = None) -> Figure:
+    """A load run (``load.json``): total tokens/s (left) and inter-token latency (right: p50 solid,
+    p90 dashed) against the requests in flight, one colour per contender, the levels on a log axis."""
+    plt = _pyplot()
+    meta = results["meta"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
+    for i, name in enumerate(results["contenders"]):
+        rows = sorted((r for r in results["levels"] if r["contender"] == name), key=lambda r: r["concurrency"])
+        if not rows:
+            continue
+        color = f"C{i % 10}"
+        xs = [r["concurrency"] for r in rows]
+        left.plot(xs, [r["total_tokens_per_second"] for r in rows], marker="o", color=color, label=name)
+        right.plot(xs, [r["itl_p50_ms"] if r["itl_p50_ms"] is not None else float("nan") for r in rows],
+                   marker="o", color=color, label=f"{name} p50")
+        right.plot(xs, [r["itl_p90_ms"] if r["itl_p90_ms"] is not None else float("nan") for r in rows],
+                   ls="--", color=color, alpha=0.6, label=f"{name} p90")
+    levels = meta["levels"]
+    for ax, label in ((left, "total tokens/s (all requests)"), (right, "inter-token latency (ms per token)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("requests in flight (concurrency)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    right.legend(fontsize=7, ncol=2)
+    cpu = meta.get("machine", {}).get("cpu", "")
+    fig.suptitle(f"{meta['dataset']}: {meta['prompts']} prompts, max {meta['max_new_tokens']} new tokens, greedy"
+                 + (f" — {cpu}" if cpu else ""), fontsize=10)
     return _finish(plt, fig, path)

@@ -13,13 +13,11 @@ to the first streamed text, ``target_forwards`` and ``promoted_tokens`` the serv
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 from adaptivespec.config import Config
@@ -28,6 +26,7 @@ from adaptivespec.decode import GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.contenders import generate_untimed, warmup_problems
 from adaptivespec.evaluation.datasets import Problem
+from adaptivespec.evaluation.load import post_stream
 from adaptivespec.evaluation.sglang_contenders import ConfigPrompts
 from adaptivespec.evaluation.spec import config_lossless
 from adaptivespec.server.launch import torch_command
@@ -41,7 +40,9 @@ class TorchServedContender(ConfigPrompts):
 
     kind = "config"
 
-    def __init__(self, name: str, config: Config, config_path: str) -> None:
+    def __init__(self, name: str, config: Config, config_path: str, *, queue_size: int | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        """``queue_size`` and ``extra_args`` (further ``serve`` flags) for a load run's server."""
         from adaptivespec.sglang.server import SGLangServer, free_port
 
         self.name, self.config = name, config
@@ -49,7 +50,8 @@ class TorchServedContender(ConfigPrompts):
         self._tokenizer = None
         self.port = free_port()
         log = Path(tempfile.mkdtemp(prefix=f"adaptivespec-served-{name}-")) / "server.log"
-        self.server = SGLangServer(torch_command(config_path, self.port), dict(os.environ), log, timeout=600)
+        argv = torch_command(config_path, self.port, queue_size=queue_size) + list(extra_args)
+        self.server = SGLangServer(argv, dict(os.environ), log, timeout=600)
         self.server.start()
         self.server.pause()
 
@@ -88,27 +90,16 @@ class TorchServedContender(ConfigPrompts):
 
     def _stream(self, body: dict[str, Any]) -> tuple[str, dict, float | None, float]:
         """(text, last chunk, seconds to the first text, wall seconds) of one streamed completion."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         parts: list[str] = []
         last: dict = {}
         first = None
         t0 = time.perf_counter()
         try:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise AdaptiveSpecError(f"{self.name}: /v1/completions returned {resp.status}: {resp.read()[:300]!r}")
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data: {"):
-                    continue
-                last = json.loads(line[6:])
-                if "error" in last:
-                    raise AdaptiveSpecError(f"{self.name}: the server failed: {last['error'].get('message')}")
+            for t, last in post_stream(self.port, "/v1/completions", body, timeout=600):
                 piece = last["choices"][0]["text"]
                 if piece and first is None:
-                    first = time.perf_counter() - t0
+                    first = t - t0
                 parts.append(piece)
-        finally:
-            conn.close()
+        except AdaptiveSpecError as exc:
+            raise AdaptiveSpecError(f"{self.name}: {exc}") from None
         return "".join(parts), last, first, time.perf_counter() - t0

@@ -75,7 +75,8 @@ class SGLangContender(ConfigPrompts):
     autoregressive = False
 
     def __init__(self, name: str, config: Config, *, peer: str | None = None, config_path: str | None = None,
-                 server_factory: Callable | None = None) -> None:
+                 server_factory: Callable | None = None, kv_tokens: int = BENCH_KV_TOKENS) -> None:
+        """``kv_tokens``: the server's ``--max-total-tokens`` (a load run sizes it for its highest level)."""
         from adaptivespec.sglang.server import SGLangServer, free_port, peer_command, served_command
 
         self.name, self.config = name, config
@@ -83,7 +84,7 @@ class SGLangContender(ConfigPrompts):
         self._tokenizer = None
         self._trace: Path | None = None
         port = free_port()
-        extra = ["--max-total-tokens", str(BENCH_KV_TOKENS)]
+        extra = ["--max-total-tokens", str(kv_tokens)]
         logdir = Path(tempfile.mkdtemp(prefix=f"adaptivespec-sglang-{name}-"))
         if peer:
             argv, env = peer_command(peer, port, extra_args=extra)
