@@ -1,7 +1,7 @@
 """Configuration: attrs classes loaded from YAML with strict validation.
 
 The top-level keys are a contract: ``model``, ``runtime``, ``policy``, ``verifier``,
-``generation``. ``policy`` and ``verifier`` hold ``name`` plus that strategy's own parameters,
+``generation``, and the optional ``batch`` (how concurrent requests share a step). ``policy`` and ``verifier`` hold ``name`` plus that strategy's own parameters,
 validated against the strategy's ``Params`` attrs class. The optional top-level ``sources`` is a
 list of candidate sources (each ``name`` plus that source's parameters, validated the same way;
 default: none), whose proposals are verified beside the drafter's tree, or alone when
@@ -49,6 +49,24 @@ class RuntimeConfig:
     prefill_chunk: int = attrs.field(default=1024, validator=int_at_least(0))
     """Prompt tokens per prefill forward (0: the whole prompt in one): a long prompt runs in chunks
     of this many tokens, so a prefill's activations stay bounded whatever the prompt's length."""
+
+
+@attrs.frozen(kw_only=True)
+class BatchConfig:
+    """Continuous batching (``serve --runtime torch --parallel N``, :mod:`adaptivespec.batch`):
+    how the requests that share a step share its rows."""
+
+    row_budget: str = attrs.field(default="none", validator=one_of("none", "goodput"))
+    """``none``: every request verifies its tree as its policy shaped it (static trees, batched);
+    ``goodput``: one budget per step: every request's candidate nodes in one ranking by calibrated
+    acceptance, the prefix that maximises expected tokens per millisecond of the step verified, with
+    the costs measured on this machine (``adaptivespec calibrate --batch``, else at start-up, cached)."""
+    max_rows: int = attrs.field(default=512, validator=positive_int)
+    """Most rows one packed target forward runs (prompt chunks and verify trees together)."""
+    prefill_rows: int = attrs.field(default=128, validator=positive_int)
+    """Prompt rows a step takes while other requests decode (a request alone prefills in
+    ``runtime.prefill_chunk`` chunks): a long prompt is read over several steps, interleaved
+    with the others' decoding, so their inter-token latency stays bounded."""
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +120,8 @@ class Config:
     policy: StrategyConfig
     verifier: StrategyConfig
     generation: GenerationConfig = attrs.Factory(GenerationConfig)
+    batch: BatchConfig = attrs.Factory(BatchConfig)
+    """How concurrent requests share a step (used when serving several at once)."""
     source: str = "<defaults>"
     """File the config came from (for messages)."""
     sources: tuple[StrategyConfig, ...] = ()
@@ -120,11 +140,12 @@ class Config:
             "generation": {**attrs.asdict(self.generation, recurse=False), "response_format": (
                 self.generation.response_format.to_dict() if self.generation.response_format is not None else None)},
             **({"sources": [s.to_dict() for s in self.sources]} if self.sources else {}),
+            **({"batch": attrs.asdict(self.batch)} if self.batch != BatchConfig() else {}),
         }
 
 
-TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation", "sources")
-SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "generation": GenerationConfig}
+TOP_LEVEL = ("model", "runtime", "policy", "verifier", "generation", "sources", "batch")
+SECTIONS = {"model": ModelConfig, "runtime": RuntimeConfig, "generation": GenerationConfig, "batch": BatchConfig}
 DEFAULT_STRATEGY = {"policy": "static", "verifier": "strict"}
 
 

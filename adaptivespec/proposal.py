@@ -120,9 +120,20 @@ class Proposer:
         candidates alone are worth verifying, see ``skip_draft``) fused with the candidates, at
         most ``shape.ndt`` nodes plus the proposing sources' extra slots. Without candidates the
         head's tree is verified as drafted; with neither, the root alone (a plain step)."""
+        rt = self.runtime
+        return self.fuse(shape, rt.draft(shape, self.policy) if self.drafts() else None)
+
+    def drafts(self) -> bool:
+        """Whether the head drafts this step (after :meth:`signals`): there is a head and no
+        source's candidates alone are worth verifying (``skip_draft``)."""
+        skip = any(t is not None and s.skip_draft(t) for s, t in zip(self.sources, self._tries))
+        return self.runtime.drafter is not None and not skip
+
+    def fuse(self, shape: TreeShape, tree: DraftTree | None) -> Proposal:
+        """:meth:`propose`'s second half: the head's ``tree`` (None: not drafted) and this step's
+        candidates as one verify tree. A batch engine drafts every request's tree in one pass per
+        level, then calls this per request."""
         rt, tries = self.runtime, self._tries
-        skip = any(t is not None and s.skip_draft(t) for s, t in zip(self.sources, tries))
-        tree = rt.draft(shape, self.policy) if rt.drafter is not None and not skip else None
         if tree is not None and not any(tries):
             return Proposal(tree=tree, tries=tries)
         budget = shape.ndt + max((s.extra_slots() for s, t in zip(self.sources, tries) if t), default=0)

@@ -242,11 +242,12 @@ class TorchRuntime:
             self._set_root(self.drafter.step(*extension, None)[-1])
         self.advance(result)
 
-    def commit_target(self, tree: DraftTree, result: VerifyResult, hidden_states):
+    def commit_target(self, tree: DraftTree, result: VerifyResult, hidden_states, fused: torch.Tensor | None = None):
         """The target's half of :meth:`commit`: its cache keeps the accepted path; the drafter's drops
         the draft slots. Returns the drafter's extension ``(tokens [kept], states [kept, H],
         positions [kept])``: the accepted pairs (token[i+1], state[i]) to run through it (None
-        without a drafter). Then :meth:`advance`."""
+        without a drafter). ``fused``: the tree rows' drafter input states [n, H] when the caller
+        already has them (else fused from ``hidden_states`` here). Then :meth:`advance`."""
         path = result.path
         kept = len(path)
         idx = torch.tensor(path, dtype=torch.long, device=self.device)
@@ -255,7 +256,7 @@ class TorchRuntime:
             return None
         d = self.drafter
         d.length = self.P
-        state = d.fuse(hidden_states, idx)[0]  # [kept, H]
+        state = fused[idx] if fused is not None else d.fuse(hidden_states, idx)[0]  # [kept, H]
         tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
         return tokens, state, self.P + torch.arange(kept, device=self.device)
 

@@ -117,6 +117,13 @@ class StepSignals:
     """Nodes the candidate sources propose this step, all sources together (0: none)."""
     source_top: float = 0.0
     """Best score a source gave a child of the root (its estimated acceptance; 0: none)."""
+    batch_size: int = 1
+    """Requests decoding in this step, this one included (1: alone; ``serve --parallel`` batches
+    several, and their tree rows share one target forward)."""
+    row_budget: int = 0
+    """Verify rows beyond its root this request got at the previous step under the batch's row
+    budget (``batch.row_budget: goodput``), what it may expect now; 0: no budget (the policy's
+    shape is verified as drafted)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,472 @@
+"""The batch engine: many requests, one packed target forward per step.
+
+Each lane is an :class:`~adaptivespec.decode.Engine` of the config (its runtime's KV cache, its
+policy, verifier, candidate sources and sampler), so every strategy works per request exactly as
+it does alone; the models are loaded once and shared. :meth:`BatchEngine.step` runs one step in
+four phases (see :mod:`adaptivespec.batch`); with a strict verifier every request's tokens are
+those it would get decoded alone (float32: token for token, tested).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import attrs
+import torch
+
+from adaptivespec.batch.budget import Choice, RowBudget, load_or_measure
+from adaptivespec.batch.request import Lane, Request, Status
+from adaptivespec.batch.scheduler import Chunk, Scheduler, StepPlan
+from adaptivespec.decode import Engine, GenerationResult
+from adaptivespec.errors import AdaptiveSpecError
+from adaptivespec.fastpath.batched import (DraftPart, Part, bound, layer_pieces, packed_draft_step, packed_forward,
+                                           padded_rows)
+from adaptivespec.fastpath.kvcache import empty
+from adaptivespec.fusion import HEAD
+from adaptivespec.plugins import get_plugin_host
+from adaptivespec.proposal import Proposal
+from adaptivespec.runtime import LevelMasks, TorchRuntime
+from adaptivespec.sampling import Sampler
+from adaptivespec.tree import subtree
+from adaptivespec.types import DraftTree, StepRecord, TreeShape, VerifyResult
+
+ROOT_SHAPE = TreeShape(1, 1, 2)
+"""The shape recorded on a plain row (the root alone: never looked up in a shape bank)."""
+
+
+class DepthCap:
+    """A tree policy's level rules with drafting stopped below ``cap`` levels: the beam is empty
+    from depth ``cap`` on, so the head runs ``cap - 1`` passes (everything else is the policy's)."""
+
+    def __init__(self, rules, cap: int) -> None:
+        self.rules, self.cap = rules, cap
+
+    def select_level(self, scores, depth, shape, pool_size):
+        pool_sel, beam = self.rules.select_level(scores, depth, shape, pool_size)
+        return pool_sel, (beam[:0] if depth >= self.cap else beam)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rules, name)
+
+
+@attrs.define(eq=False)
+class Item:
+    """One decoding request's step in flight (the engine's scratch, dropped after the commit)."""
+
+    request: Request
+    signals: Any = None
+    shape: TreeShape | None = None
+    drafts: bool = False
+    proposal: Proposal | None = None
+    tree: DraftTree | None = None
+    """What is verified (the proposal's tree, cut by the row budget; the root alone when plain)."""
+    keep: torch.Tensor | None = None
+    """Node indices of the proposal's tree that were kept (None: all)."""
+    estimates: tuple | None = None
+    rows: tuple[int, int] = (0, 0)
+    """Its span of the packed forward's rows."""
+    logit: int = 0
+    """Where its rows start among the logits read."""
+
+
+@attrs.define(eq=False)
+class StepStats:
+    """The last step's numbers (the server's /metrics)."""
+
+    requests: int = 0
+    decoders: int = 0
+    prefill_rows: int = 0
+    rows: int = 0
+    draft_rows: int = 0
+    budget_rows: int | None = None
+    """Draft rows the row budget chose (None: no budget)."""
+    seconds: float = 0.0
+
+
+class BatchEngine:
+    """Up to ``slots`` requests decoded together (continuous batching); more wait in FIFO order."""
+
+    def __init__(self, config, slots: int = 8, *, host=None, context_length: int | None = None, costs=None,
+                 log: Callable[[str], None] = print) -> None:
+        if slots < 1:
+            raise AdaptiveSpecError(f"slots: expected a positive number of requests decoded together, got {slots}")
+        host = host or get_plugin_host()
+        self.config = config
+        self.lanes = [Lane(Engine(config, host, structured=True), i) for i in range(slots)]
+        first = self.lanes[0].engine
+        if not isinstance(first.runtime, TorchRuntime):
+            raise AdaptiveSpecError(f"runtime.name: batching runs on the torch runtime, got {config.runtime.name!r}")
+        self.tokenizer, self.target = first.tokenizer, first.target
+        self.drafter = first.runtime.drafter
+        self.device = first.runtime.device
+        self.pieces = layer_pieces(self.target)
+        self.speculative = first.proposer.active
+        for lane in self.lanes:
+            lane.default_sampler = lane.engine.sampler  # the config's (None: greedy)
+        bc = config.batch
+        self.budget: RowBudget | None = None
+        if bc.row_budget == "goodput" and self.speculative:
+            if costs is None:
+                costs = load_or_measure(self.target, self.drafter, config.model.target, config.runtime.dtype,
+                                        first.runtime.dtype, self.device, log=log)
+            self.budget = RowBudget(costs, bc.max_rows)
+        self.costs = costs
+        self.scheduler = Scheduler(slots, prefill_rows=bc.prefill_rows, prefill_chunk=config.runtime.prefill_chunk,
+                                   max_rows=bc.max_rows)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free: list[Lane] = list(self.lanes)
+        self.last = StepStats()
+        self._lock = threading.Lock()
+        if context_length:
+            self.reserve(context_length)
+
+    def _bound(self, lane: Lane):
+        """The draft head on ``lane``'s cache for single-request operations (nothing without a head)."""
+        return bound(self.drafter, lane.kv) if self.drafter is not None else contextlib.nullcontext()
+
+    # -- requests in and out ----------------------------------------------------------------------
+    def reserve(self, positions: int) -> None:
+        """Every lane's caches sized for ``positions`` context positions now (a server's start-up)."""
+        for lane in self.lanes:
+            with self._bound(lane):
+                lane.engine.reserve(positions)
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (any thread); it joins a free lane at a coming step."""
+        with self._lock:
+            self.waiting.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
+                      seeds: Iterable[int | None] | None = None, **request_kw) -> list[GenerationResult]:
+        """Generate for every prompt (token ids), all submitted at once; results in prompt order."""
+        limit = max_new_tokens or self.config.generation.max_new_tokens
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+        reqs = [self.submit(Request(prompt=list(p), max_new_tokens=limit, seed=s, **request_kw))
+                for p, s in zip(prompts, seeds)]
+        while any(not r.done for r in reqs):
+            self.step()
+        return [self.result(r) for r in reqs]
+
+    def result(self, r: Request) -> GenerationResult:
+        text = self.tokenizer.decode(r.out, skip_special_tokens=True)
+        return GenerationResult(token_ids=list(r.out), text=text, stats=r.stats(), records=r.records)
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One step for every running request; returns the requests that finished in it."""
+        with self._lock:
+            plan = self.scheduler.plan(self.running, list(self.waiting))
+            for r in plan.joins:
+                self.waiting.remove(r)
+            for r in plan.leaves:
+                if r in self.waiting:
+                    self.waiting.remove(r)
+        ended = [self._finish(r, "cancelled") for r in plan.leaves]
+        for r in plan.joins:
+            self._join(r)
+        if plan.idle:
+            return ended
+        t0 = time.perf_counter()
+        # 1. propose: each decoder's sources and policy; every head tree drafted together
+        items = self._propose(plan.decoders)
+        draft_ms = (time.perf_counter() - t0) * 1e3
+        # 2. budget: one ranking of every candidate node; each tree cut to what is worth its rows
+        choice = self._budget(plan, items, draft_ms)
+        # 3. verify: one packed target forward over the prompt chunks and the trees
+        first_logits, logits, fused = self._forward(plan.chunks, items)
+        t_verify = time.perf_counter()
+        # 4. commit: per request; the draft head follows every request in one pass
+        ended += self._commit(plan, items, first_logits, logits, fused, draft_ms, (t_verify - t0) * 1e3 - draft_ms)
+        self.last = StepStats(requests=len(self.running) + len(ended), decoders=len(items),
+                              prefill_rows=sum(c.end - c.start for c in plan.chunks),
+                              rows=plan.rows + sum(it.tree.size - 1 for it in items),
+                              draft_rows=sum(it.tree.size - 1 for it in items),
+                              budget_rows=choice.rows if choice is not None else None,
+                              seconds=time.perf_counter() - t0)
+        return ended
+
+    # -- joins and leaves ---------------------------------------------------------------------------
+    def _join(self, r: Request) -> None:
+        """``r`` takes a free lane: its strategies and caches start over (as ``generate_ids`` does)."""
+        lane = self.free.pop(0)
+        e, rt = lane.engine, lane.engine.runtime
+        r.lane, r.status, r.started = lane, Status.PREFILL, time.perf_counter()
+        lane.step, lane.depth_cap = 0, 0
+        sampler = lane.default_sampler
+        if r.sampling is not None:
+            s = r.sampling
+            sampler = None if s.temperature == 0 else Sampler(s.temperature, s.top_k, s.top_p, s.min_p, rt.device)
+        if sampler is not None:
+            sampler.reseed(self.config.generation.seed if r.seed is None else r.seed)
+        e.sampler = rt.sampler = e.verifier.sampler = sampler
+        e.policy.reset()
+        e.constraint = constraint = e.make_constraint(r.response_format)
+        rt.logits_processor = constraint.mask_next if constraint is not None else None
+        e.proposer.reset(r.prompt, constraint)
+        e._stops = e.eos_ids | r.stop_ids
+        with self._bound(lane):
+            rt.reserve(len(r.prompt) + r.max_new_tokens)  # fits the reserved caches: nothing allocated
+        rt.cache = empty(rt.cache)
+        rt.P = 0
+        self.running.append(r)
+
+    def _finish(self, r: Request, reason: str) -> Request:
+        r.status, r.finish_reason, r.finished = Status.DONE, reason, time.perf_counter()
+        if r in self.running:
+            self.running.remove(r)
+        if r.lane is not None:
+            r.lane.engine.proposer.finish(r.out)
+            self.free.append(r.lane)
+            r.lane = None
+        return r
+
+    # -- 1. propose -------------------------------------------------------------------------------
+    def _propose(self, decoders: Sequence[Request]) -> list[Item]:
+        items = [Item(request=r) for r in decoders]
+        if not self.speculative:
+            return items
+        n = len(items)
+        for it in items:
+            lane = it.request.lane
+            e = lane.engine
+            signals = e.proposer.signals(lane.step, it.request.last_accepted)
+            it.signals = attrs.evolve(signals, batch_size=n, row_budget=lane.rows if self.budget is not None else 0)
+            it.shape = e.policy.next_shape(it.signals)
+            it.drafts = e.proposer.drafts()
+        trees = self._draft([it for it in items if it.drafts])
+        for it in items:
+            it.proposal = it.request.lane.engine.proposer.fuse(it.shape, trees.get(id(it)))
+            it.tree = it.proposal.tree
+        return items
+
+    def _draft(self, items: Sequence[Item]) -> dict[int, DraftTree]:
+        """Every item's head tree, all drafted together: one draft-head pass (and one LM-head pass)
+        per depth level over the levels of all trees still growing."""
+        d = self.drafter
+        trees: dict[int, DraftTree] = {}
+        growing = []  # (item, levels generator, masks, the level's expand arguments)
+        for it in items:
+            lane = it.request.lane
+            rt = lane.engine.runtime
+            rules = it.request.lane.engine.policy
+            if self.budget is not None and lane.depth_cap:
+                rules = DepthCap(rules, lane.depth_cap)
+            with bound(d, lane.kv):
+                masks = LevelMasks(rt, it.shape)
+            levels = rt.draft_levels(it.shape, rules)
+            try:
+                growing.append((it, levels, masks, next(levels)))
+            except StopIteration as done:
+                trees[id(it)] = done.value
+        while growing:
+            tokens, states, positions, parts = [], [], [], []
+            for it, _, masks, (tok, hid, parent_slots, depth) in growing:
+                pos, mask = masks.inputs(tok.shape[0], parent_slots, depth)
+                tokens.append(tok), states.append(hid), positions.append(pos)
+                parts.append(DraftPart(kv=it.request.lane.kv, rows=tok.shape[0], mask=mask))
+            out = packed_draft_step(d, torch.cat(tokens), torch.cat(states), torch.cat(positions), parts)
+            logp = d.log_probs(out)  # [R, Vd]
+            nxt, start = [], 0
+            for (it, levels, masks, level), part in zip(growing, parts):
+                masks.clear()
+                end = start + part.rows
+                try:
+                    nxt.append((it, levels, masks, levels.send((logp[start:end], out[start:end]))))
+                except StopIteration as done:
+                    trees[id(it)] = done.value
+                start = end
+            growing = nxt
+        return trees
+
+    # -- 2. budget --------------------------------------------------------------------------------
+    def _budget(self, plan: StepPlan, items: list[Item], draft_ms: float) -> Choice | None:
+        budget = self.budget
+        if budget is None or not items:
+            return None
+        scores, depths = [], []
+        for it in items:
+            fused = it.proposal.fused
+            source_only = None
+            if fused is not None:
+                source_only = torch.tensor([o != 0 and not (o & HEAD) for o in fused.origin], dtype=torch.bool)
+            it.estimates = budget.estimates(it.tree, source_only)
+            scores.append(it.estimates[2])
+            depths.append(it.tree.depth)
+        context = sum(it.request.lane.engine.runtime.P for it in items) / len(items)
+        choice = budget.choose(scores, depths, base_rows=plan.rows, decoders=len(items),
+                               requests=len(items) + len(plan.chunks), context=context, draft_ms=draft_ms)
+        for it, keep in zip(items, choice.keep):
+            lane = it.request.lane
+            lane.rows = keep.shape[0] - 1
+            lane.depth_cap = int(it.tree.depth[keep].max()) + 1
+            if keep.shape[0] < it.tree.size:
+                it.keep, it.tree = keep, subtree(it.tree, keep)
+        return choice
+
+    # -- 3. verify --------------------------------------------------------------------------------
+    def _forward(self, chunks: Sequence[Chunk], items: Sequence[Item]):
+        """One packed target forward. Returns (logits of the last prompt rows, logits of the items'
+        rows, the drafter's input states of all rows or None); each item's ``rows`` are its span of
+        the forward's rows, ``logit`` where its logits start."""
+        ids, positions, parts, logit_rows = [], [], [], []
+        row = 0
+        for c in chunks:
+            rt = c.request.lane.engine.runtime
+            n = c.end - c.start
+            ids.append(torch.tensor(c.request.prompt[c.start:c.end], dtype=torch.long, device=self.device))
+            positions.append(torch.arange(c.start, c.end, device=self.device))
+            parts.append(Part(cache=rt.cache, rows=n))
+            if c.last:
+                logit_rows.append(torch.tensor([row + n - 1], device=self.device))
+            row += n
+        n_chunk_logits, li = len(logit_rows), 0
+        for it in items:
+            rt = it.request.lane.engine.runtime
+            if it.tree is None:  # plain decoding: the root alone
+                it.tree = _root_tree(rt.root)
+            n = it.tree.size
+            if n > 1:
+                pos, mask = rt.verify_inputs(it.tree)
+            else:
+                pos, mask = rt.P + it.tree.depth, None
+            ids.append(it.tree.tokens), positions.append(pos), parts.append(Part(cache=rt.cache, rows=n, mask=mask))
+            logit_rows.append(torch.arange(row, row + n, device=self.device))
+            it.rows, it.logit = (row, row + n), li
+            row, li = row + n, li + n
+        R = padded_rows(row)
+        ids = torch.cat(ids)
+        pos = torch.cat(positions)
+        if R > row:
+            ids = torch.cat([ids, ids.new_zeros(R - row)])
+            pos = torch.cat([pos, pos.new_zeros(R - row)])
+        read = torch.cat(logit_rows)
+        m = read.shape[0]
+        read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
+        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self.drafter is not None)
+        for it in items:
+            if it.tree.size > 1:
+                it.request.lane.engine.runtime.verify_done(it.tree)
+        fused = self.drafter.fuse(hidden)[0] if self.drafter is not None else None  # [R, H]
+        return logits[:n_chunk_logits], logits[n_chunk_logits:m], fused
+
+    # -- 4. commit --------------------------------------------------------------------------------
+    def _commit(self, plan: StepPlan, items: Sequence[Item], first_logits: torch.Tensor, logits: torch.Tensor, fused,
+                draft_ms: float, verify_ms: float) -> list[Request]:
+        ended: list[Request] = []
+        follow: list[tuple[Lane, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # the head's extension rows
+        row, k = 0, 0
+        for c in plan.chunks:  # prompt chunks: the head follows; the last one gives the first token
+            r = c.request
+            lane, rt = r.lane, r.lane.engine.runtime
+            n = c.end - c.start
+            r.prefilled = c.end
+            nxt = r.prompt[c.start + 1 : c.end + 1]
+            if c.last:
+                rt.root = rt._pick(first_logits[k])
+                k += 1
+                rt.P = c.end
+                nxt = nxt + [int(rt.root)]
+            if fused is not None:
+                follow.append((lane, torch.tensor(nxt, dtype=torch.long, device=self.device), fused[row:row + n],
+                               torch.arange(c.start, c.end, device=self.device)))
+            row += n
+        first_tokens = [c.request for c in plan.chunks if c.last]
+        for it in items:
+            r = it.request
+            lane = r.lane
+            e, rt = lane.engine, lane.engine.runtime
+            s, t = it.rows
+            tree = it.tree
+            rows = logits[it.logit:it.logit + tree.size]
+            if e.constraint is not None:
+                e.constraint.mask_tree(tree, rows)
+            result = e.verifier.verify(tree, rows)
+            n_before = len(r.out)
+            done = e._take(r.out, result.tokens, r.max_new_tokens, r.on_tokens)
+            r.forwards += 1
+            if not done:
+                with self._bound(lane):
+                    ext = rt.commit_target(tree, result, None, fused[s:t] if fused is not None else None)
+                if ext is not None:
+                    follow.append((lane, *ext))
+                rt.advance(result)
+            if self.speculative:
+                self._observe(it, result, r.out[n_before:], draft_ms, verify_ms)
+            if done:
+                ended.append(self._finish(r, self._reason(r)))
+        for r in first_tokens:  # the prompt's last row picked the first token
+            r.status = Status.DECODE
+            r.first_token = time.perf_counter()
+            r.forwards = 1
+            e = r.lane.engine
+            done = e._take(r.out, [int(r.lane.engine.runtime.root)], r.max_new_tokens, r.on_tokens)
+            e.proposer.extend(r.out)
+            if done:
+                ended.append(self._finish(r, self._reason(r)))
+        if follow:
+            self._follow(follow)
+        return ended
+
+    def _follow(self, follow) -> None:
+        """The draft head runs every request's new rows (prompt chunks, accepted tokens + bonus) in
+        one pass; each request's root state and draft distribution come from its last row."""
+        parts = [DraftPart(kv=lane.kv, rows=tokens.shape[0]) for lane, tokens, _, _ in follow]
+        out = packed_draft_step(self.drafter, torch.cat([f[1] for f in follow]), torch.cat([f[2] for f in follow]),
+                                torch.cat([f[3] for f in follow]), parts)
+        ends = torch.tensor([p.rows for p in parts]).cumsum(0) - 1
+        last = out[ends]
+        logp = self.drafter.log_probs(last)
+        for (lane, *_), state, lp in zip(follow, last, logp):
+            rt = lane.engine.runtime
+            rt.root_state, rt.root_logp = state, lp
+
+    def _observe(self, it: Item, result: VerifyResult, emitted: list[int], draft_ms: float, verify_ms: float) -> None:
+        r, lane = it.request, it.request.lane
+        e = lane.engine
+        e.policy.observe_tree(it.tree, result)
+        accounted = result if it.keep is None else attrs.evolve(result, path=it.keep[result.path].tolist())
+        by_source = e.proposer.observe(it.proposal, accounted, emitted)
+        if self.budget is not None and it.estimates is not None:
+            keep = it.keep if it.keep is not None else torch.arange(it.tree.size)
+            self.budget.observe(it.estimates[0], it.estimates[1], keep, result.path)
+        record = StepRecord(step=lane.step, shape=it.shape, tree_size=it.tree.size, accepted=result.accepted,
+                            promoted=result.promoted, new_tokens=len(emitted), draft_ms=draft_ms, verify_ms=verify_ms,
+                            other_ms=0.0, signals=it.signals, policy_state=e.policy.state(),
+                            accepted_by_source=by_source)
+        e.policy.observe(record)
+        r.records.append(record)
+        r.promoted += result.promoted
+        r.last_accepted = result.accepted
+        lane.step += 1
+        if r.on_step is not None:
+            r.on_step(record)
+
+    @staticmethod
+    def _reason(r: Request) -> str:
+        e = r.lane.engine
+        if e.constraint is not None and e.constraint.terminated:
+            return "stop"
+        if r.out and r.out[-1] in e._stops:
+            return "stop"
+        return "length"
+
+
+def _root_tree(root: torch.Tensor) -> DraftTree:
+    """The root alone: a plain decoding row."""
+    dev = root.device
+    return DraftTree(tokens=root.reshape(1).to(torch.long), parents=torch.tensor([-1], device=dev),
+                     depth=torch.zeros(1, dtype=torch.long, device=dev), ancestors=torch.ones(1, 1, dtype=torch.bool, device=dev),
+                     draft_logp=torch.zeros(1, device=dev), shape=ROOT_SHAPE)
+
+
