@@ -125,6 +125,22 @@ class BatchEngine:
         if context_length:
             self.reserve(context_length)
 
+    # -- what a server reads of the engine (the same names as :class:`~adaptivespec.decode.Engine`'s) --
+    @property
+    def verifier(self):
+        return self.lanes[0].engine.verifier
+
+    @property
+    def lossless(self) -> bool:
+        return self.lanes[0].engine.lossless
+
+    @property
+    def eos(self) -> int | None:
+        return self.lanes[0].engine.eos
+
+    def encode(self, text: str, raw: bool = False) -> list[int]:
+        return self.lanes[0].engine.encode(text, raw)
+
     def _bound(self, lane: Lane):
         """The draft head on ``lane``'s cache for single-request operations (nothing without a head)."""
         return bound(self.drafter, lane.kv) if self.drafter is not None else contextlib.nullcontext()
@@ -221,12 +237,27 @@ class BatchEngine:
         rt.P = 0
         self.running.append(r)
 
+    def abort(self, reason: str) -> list[Request]:
+        """End every request, running or waiting, with ``finish_reason`` ``"error"`` (a step failed:
+        the lanes start clean at the next join). Returns them."""
+        with self._lock:
+            waiting = list(self.waiting)
+            self.waiting.clear()
+        ended = [self._finish(r, "error") for r in [*self.running, *waiting]]
+        for r in ended:
+            r.error = reason
+        return ended
+
     def _finish(self, r: Request, reason: str) -> Request:
         r.status, r.finish_reason, r.finished = Status.DONE, reason, time.perf_counter()
         if r in self.running:
             self.running.remove(r)
         if r.lane is not None:
-            r.lane.engine.proposer.finish(r.out)
+            e = r.lane.engine
+            r.grammar_ended = e.constraint is not None and e.constraint.terminated
+            if self.speculative:
+                r.accepted_by_source = dict(e.proposer.accepted)
+            e.proposer.finish(r.out)
             self.free.append(r.lane)
             r.lane = None
         return r
@@ -350,9 +381,10 @@ class BatchEngine:
         if R > row:
             ids = torch.cat([ids, ids.new_zeros(R - row)])
             pos = torch.cat([pos, pos.new_zeros(R - row)])
-        read = torch.cat(logit_rows)
+        read = torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.long, device=self.device)
         m = read.shape[0]
-        read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
+        if m:
+            read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
         logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self.drafter is not None)
         for it in items:
             if it.tree.size > 1:

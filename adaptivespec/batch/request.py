@@ -70,6 +70,10 @@ class Request:
     finish_reason: str | None = None
     """``"stop"`` (EOS, stop id, grammar end), ``"length"``, ``"cancelled"``, ``"error"``."""
     error: str | None = None
+    grammar_ended: bool = False
+    """Its response format's grammar reached its end."""
+    accepted_by_source: dict[str, int] = attrs.Factory(dict)
+    """Accepted tokens per proposer (speculative configs), as ``GenerationResult.stats``."""
     submitted: float = attrs.Factory(time.perf_counter)
     started: float | None = None
     first_token: float | None = None
@@ -98,6 +102,7 @@ class Request:
             "promoted_tokens": self.promoted,
             "queue_seconds": start - self.submitted,
             "finish_reason": self.finish_reason,
+            **({"accepted_by_source": dict(self.accepted_by_source)} if self.accepted_by_source else {}),
         }
 
 

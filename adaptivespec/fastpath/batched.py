@@ -151,7 +151,7 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
     h = pieces.final_norm(h)
     if states is not None:
         states.append(h)
-    logits = pieces.logits(h[logit_rows])
+    logits = pieces.logits(h[logit_rows]) if logit_rows.numel() else h.new_zeros(0, 0)
     return logits, (tuple(t.unsqueeze(0) for t in states) if states is not None else None)
 
 

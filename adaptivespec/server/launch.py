@@ -88,6 +88,8 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
     from adaptivespec.decode import Engine
     from adaptivespec.server.app import Service, build_app
     from adaptivespec.server.metrics import ServerMetrics
+    from adaptivespec.batch import BatchEngine
+    from adaptivespec.server.batch_worker import BatchWorker
     from adaptivespec.server.worker import Worker
 
     overrides = list(args.overrides or [])
@@ -98,23 +100,37 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
     config = load_config(args.config, overrides)
     sock = _bind(args.host, args.port)
     print(first_line, file=sys.stderr, flush=True)
-    def build() -> Engine:  # in the worker thread, where every forward runs (see Worker)
-        engine = Engine(config, structured=True)
+    parallel = getattr(args, "parallel", None) or DEFAULT_PARALLEL
+
+    def build():  # in the worker thread, where every forward runs (see Worker)
+        if parallel == 1:
+            engine = Engine(config, structured=True)
+            context = served_context(engine, args.context_length)
+            engine.reserve(context)  # every cache sized for the longest request now: memory at its high-water mark
+            warm_up(engine, context)
+            return engine
+        engine = BatchEngine(config, parallel, log=lambda line: print(f"adaptivespec serve: {line}", file=sys.stderr,
+                                                                     flush=True))
         context = served_context(engine, args.context_length)
-        engine.reserve(context)  # every cache sized for the longest request now: memory at its high-water mark
-        warm_up(engine, context)
+        engine.reserve(context)  # parallel x context positions in every lane's caches, now
+        warm_up_batch(engine, context)
         return engine
 
     metrics = ServerMetrics(tuple(s.name for s in config.sources) + (("head",) if config.model.drafter else ()))
-    worker = Worker(None, args.queue_size or DEFAULT_QUEUE_SIZE, metrics, build=build,
-                    trim=not getattr(args, "no_trim", False)).start()
+    queue = args.queue_size or DEFAULT_QUEUE_SIZE
+    trim = not getattr(args, "no_trim", False)
+    worker = (Worker(None, queue, metrics, build=build, trim=trim) if parallel == 1
+              else BatchWorker(None, queue, metrics, build=build, trim=trim)).start()
     engine = worker.wait_ready()
     service = Service(engine=engine, worker=worker, metrics=metrics, model=Path(args.config).stem,
                       strict_fields=getattr(args, "strict_fields", False), api_key=api_key_of(args),
                       context_length=args.context_length)
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
+    how = ("one generation at a time" if parallel == 1 else
+           f"{parallel} decoded together, KV reserved {reserved_bytes(engine) / 2**20:,.0f} MiB "
+           f"({parallel} x {served_context(engine, args.context_length)} positions)")
     announce_ready(sock, f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
-                         f"{'' if engine.lossless else ', lossy'}), one generation at a time, "
+                         f"{'' if engine.lossless else ', lossy'}), {how}, "
                          f"{worker.queue_size} may wait{', API key required' if service.api_key else ''}")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
                                            backlog=LISTEN_BACKLOG))
@@ -142,6 +158,31 @@ def warm_up(engine, context: int) -> None:
     if n > 16:
         filler = engine.encode("Hello", raw=True) or [0]
         engine.generate_ids((filler * n)[:n], max_new_tokens=4)
+
+
+def warm_up_batch(engine, context: int) -> None:
+    """:func:`warm_up` for a batch engine: every lane at once, then a prompt of two prefill chunks beside
+    short ones (the packed forward's largest buffers taken once)."""
+    hello = engine.encode("Hello")
+    engine.generate_many([hello] * len(engine.lanes), max_new_tokens=4)
+    chunk = engine.config.runtime.prefill_chunk or 1024
+    n = min(2 * chunk, context - 8)
+    if n > 16:
+        filler = engine.encode("Hello", raw=True) or [0]
+        engine.generate_many([(filler * n)[:n], hello], max_new_tokens=4)
+
+
+def reserved_bytes(engine) -> int:
+    """Bytes of the KV caches a batch engine reserved (the target's and the draft head's, every lane)."""
+    total = 0
+    for lane in engine.lanes:
+        cache = lane.engine.runtime.cache
+        for layer in getattr(cache, "layers", ()):
+            for t in (getattr(layer, "_k", None), getattr(layer, "_v", None)):
+                total += t.numel() * t.element_size() if t is not None else 0
+        for t in (lane.kv.k, lane.kv.v):
+            total += t.numel() * t.element_size() if t is not None else 0
+    return total
 
 
 def torch_command(config: str | Path, port: int, *, host: str = "127.0.0.1", queue_size: int | None = None,

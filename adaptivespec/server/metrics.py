@@ -21,6 +21,13 @@ name                                               type       what
 ``adaptivespec_server_generated_tokens_total``     counter    tokens generated
 ``adaptivespec_server_trim_seconds``               histogram  time handing the heap's free pages back after a
                                                               generation (``malloc_trim``; not with ``--no-trim``)
+``adaptivespec_server_batch_size``                 gauge      requests in the last step (``--parallel``)
+``adaptivespec_server_batch_requests``             histogram  requests per step
+``adaptivespec_server_step_rows``                  histogram  rows per packed target forward (prompt chunks,
+                                                              roots and verified draft rows)
+``adaptivespec_server_budget_rows``                histogram  draft rows the row budget chose per step
+                                                              (``batch.row_budget: goodput``)
+``adaptivespec_server_request_accept_length``      histogram  per finished request: tokens per target forward
 =================================================  =========  =============================================
 """
 
@@ -32,6 +39,7 @@ from adaptivespec.metrics import PREFIX, SpecMetrics
 from adaptivespec.types import StepRecord
 
 OUTCOMES = ("completed", "cancelled", "rejected", "bad", "failed")
+ROW_COUNTS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -56,6 +64,14 @@ class ServerMetrics:
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens generated", registry=reg)
         self.trim_seconds = Histogram(f"{p}_trim_seconds", "Time handing the C heap's free pages back after a generation",
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=reg)
+        self.batch_size = Gauge(f"{p}_batch_size", "Requests in the last step", registry=reg)
+        self.batch_requests = Histogram(f"{p}_batch_requests", "Requests per step", buckets=ROW_COUNTS[:9], registry=reg)
+        self.step_rows = Histogram(f"{p}_step_rows", "Rows per packed target forward", buckets=ROW_COUNTS, registry=reg)
+        self.budget_rows = Histogram(f"{p}_budget_rows", "Draft rows the row budget chose per step", buckets=ROW_COUNTS,
+                                     registry=reg)
+        self.request_accept_length = Histogram(f"{p}_request_accept_length", "Tokens per target forward, per request",
+                                               buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0),
+                                               registry=reg)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
 
@@ -66,6 +82,14 @@ class ServerMetrics:
             return
         self.spec.observe_step(shape=record.shape, accepted_per_request=[record.accepted],
                                accepted_by_source=record.accepted_by_source, verify_width=record.tree_size)
+
+    def observe_batch(self, *, requests: int, rows: int, budget_rows: int | None) -> None:
+        """One step of the batch engine: its requests, its rows, the row budget's choice (None: no budget)."""
+        self.batch_size.set(requests)
+        self.batch_requests.observe(requests)
+        self.step_rows.observe(rows)
+        if budget_rows is not None:
+            self.budget_rows.observe(budget_rows)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()
