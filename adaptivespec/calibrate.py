@@ -18,6 +18,14 @@ log-probability) cell. Use training prompts (``--data``), never an evaluation se
 
     adaptivespec calibrate --config configs/cost-aware.yaml --out my-profile.json \\
         --data runs/tuning/gsm8k-train-heldout.jsonl --prior-out my-prior.json
+
+Any target and head the engine loads: ``--target`` / ``--drafter`` replace the config's
+``model.target`` / ``model.drafter`` (a folder, or a Hugging Face id already in the local cache), and
+the profile records them and this machine's CPU (``machine.cpu``): the policies that read a profile
+warn once when it was fitted on another target, head or CPU (docs/models.md).
+
+    adaptivespec calibrate --config configs/cost-aware.yaml --target Qwen/Qwen3-0.6B \\
+        --drafter ./qwen3-0.6b-eagle3 --out qwen3-profile.json --prior-out qwen3-prior.json
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ PROMPTS = [  # generic prompts (none from an evaluation set) when --data is not 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure the step-cost model (and a calibration prior) on this machine")
     p.add_argument("--config", required=True, help="YAML config: model, drafter, runtime and dtype to time")
+    p.add_argument("--target", help="target model folder or cached Hugging Face id (default: the config's model.target)")
+    p.add_argument("--drafter", help="EAGLE-3 head folder or cached Hugging Face id (default: the config's model.drafter)")
     p.add_argument("--out", default="cost-profile.json", metavar="PROFILE.json", help="cost profile to write")
     p.add_argument("--prior-out", metavar="PRIOR.json", help="also write a calibration prior (use training prompts)")
     p.add_argument("--data", metavar="FILE.jsonl", help="prompts (--dataset fields); default: four built-in prompts")
@@ -89,9 +99,10 @@ def run_calibrate(args) -> int:
     from adaptivespec.errors import AdaptiveSpecError
 
     shapes = parse_shapes(args.shapes)
-    config = load_config(args.config, list(args.overrides))
+    models = [f"model.{k}={v}" for k, v in (("target", args.target), ("drafter", args.drafter)) if v is not None]
+    config = load_config(args.config, [*models, *args.overrides])
     if config.model.drafter is None:
-        raise AdaptiveSpecError(f"--config {args.config}: model.drafter is null; calibrate needs a drafter")
+        raise AdaptiveSpecError(f"--config {args.config}: model.drafter is null; calibrate needs a drafter (--drafter)")
     if args.data is not None:
         from adaptivespec.evaluation.datasets import load_dataset
         from adaptivespec.training.data import check_not_eval

@@ -27,6 +27,7 @@ Three pieces, used by the ``cost_aware`` tree policy and reusable on any candida
 from __future__ import annotations
 
 import json
+import logging
 import math
 import platform
 from pathlib import Path
@@ -62,12 +63,111 @@ def resolve_profile(name: str | None, default: str, key: str) -> Path:
     raise ValueError(f"{prefix}file {name!r} not found (a path, or one of the shipped profiles: {shipped})")
 
 
+def cpu_name() -> str:
+    """The CPU's model name as ``lscpu`` shows it (``/proc/cpuinfo``'s ``model name``: "AMD EPYC",
+    "Intel(R) Xeon(R) Processor"), else what :mod:`platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict[str, Any]:
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+# -- where a fitted file was measured --------------------------------------------------------------
+log = logging.getLogger("adaptivespec.profiles")
+_warned: set[str] = set()
+
+
+def model_name(name: Any) -> str | None:
+    """A target or head as a profile and a config name it, compared by its last path component in
+    lower case: a folder, an HF id and the embedded alias of one model agree
+    (``HuggingFaceTB/SmolLM2-135M-Instruct`` ~ ``~/.cache/adaptivespec/smollm2-135m-instruct``)."""
+    if name is None:
+        return None
+    return str(name).rstrip("/").replace("\\", "/").rsplit("/", 1)[-1].lower()
+
+
+@attrs.frozen(kw_only=True)
+class ProfileOrigin:
+    """What one fitted file a policy reads was measured on (read from the file itself)."""
+
+    key: str
+    """The config key naming the file (``policy.profile``, ``policy.prior``, ...)."""
+    path: str
+    target: str | None = None
+    """``model.target`` of the run that fitted it (None: not recorded)."""
+    drafter: str | None = None
+    """``model.drafter`` of that run (None: not recorded)."""
+    cpu: str | None = None
+    """The CPU's model name (:func:`cpu_name`) where timings were measured; None: not recorded."""
+    device: str | None = None
+    """``runtime.device`` of the measurement (None: not recorded)."""
+    timed: bool = False
+    """The file holds timings (a cost model): the CPU and device matter; acceptance counts do not."""
+
+    @classmethod
+    def read(cls, key: str, path: str | Path, timed: bool) -> "ProfileOrigin":
+        """The origin recorded in the JSON file at ``path``: ``model`` ({target, drafter}; or top-level
+        ``target`` / ``drafter``), ``machine.cpu`` and ``device`` (missing keys: not recorded)."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        model = data.get("model") if isinstance(data.get("model"), dict) else data
+        machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+        return cls(key=key, path=str(path), target=model.get("target"), drafter=model.get("drafter"),
+                   cpu=machine.get("cpu"), device=data.get("device"), timed=timed)
+
+    def differences(self, target: str | None, drafter: str | None, device: str) -> list[str]:
+        """What differs between this file's run and the running one (``model.target``,
+        ``model.drafter``, ``runtime.device`` and this machine's CPU), each as a short phrase."""
+        out = []
+        if self.target is not None and model_name(self.target) != model_name(target):
+            out.append(f"target {self.target} (running {target})")
+        if self.drafter is not None and drafter is not None and model_name(self.drafter) != model_name(drafter):
+            out.append(f"drafter {self.drafter} (running {drafter})")
+        if self.timed and self.device is not None and self.device != device:
+            out.append(f"device {self.device} (running {device})")
+        elif self.timed and device == "cpu" and self.cpu is not None and self.cpu != cpu_name():
+            out.append(f"CPU {self.cpu!r} (running {cpu_name()!r})")
+        return out
+
+
+def warn_if_fitted_elsewhere(policy_name: str, origins: Sequence[ProfileOrigin], *, target: str | None,
+                             drafter: str | None, device: str) -> str | None:
+    """Log one line (once per process for the same message) when a file the policy reads was fitted
+    on another target, head, device or CPU, naming what differs and how to measure this one
+    (``adaptivespec calibrate``); returns the line, or None when everything matches."""
+    groups: dict[tuple[str, ...], list[str]] = {}  # the same differences: the files named together
+    for o in origins:
+        diff = o.differences(target, drafter, device)
+        if diff:
+            groups.setdefault(tuple(diff), []).append(f"{o.key} ({Path(o.path).name})")
+    if not groups:
+        return None
+    parts = [f"{' and '.join(files)} {'was' if len(files) == 1 else 'were'} fitted on {', '.join(diff)}"
+             for diff, files in groups.items()]
+    fixes = [o.key for o in origins if o.key in ("policy.profile", "policy.prior")] or ["policy.profile"]
+    head = f" --drafter {drafter}" if drafter is not None else ""
+    line = (f"policy {policy_name}: {'; '.join(parts)}: its choices are priced for that setup (still lossless); "
+            f"measure this one with `adaptivespec calibrate --config CONFIG --target {target}{head} --out profile.json "
+            f"--prior-out prior.json` and set {' / '.join(dict.fromkeys(fixes))} to what it writes")
+    if line not in _warned:
+        _warned.add(line)
+        log.warning("adaptivespec: %s", line)
+    return line
 
 
 # -- cost model ------------------------------------------------------------------------------------

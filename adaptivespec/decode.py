@@ -23,6 +23,7 @@ import torch
 
 from adaptivespec.config import Config, check_sampling
 from adaptivespec.constraints import GrammarBackend  # xgrammar itself: only when a grammar is compiled
+from adaptivespec.costmodel import warn_if_fitted_elsewhere
 from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
@@ -89,6 +90,10 @@ class Engine:
         self.target, self.tokenizer, drafter = load_models(config, host)
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
         policy = host.policies.get(config.policy.name).cls(config.policy.params)
+        fitted = getattr(policy, "fitted_on", None)  # files fitted on another target or CPU: said once
+        if fitted is not None and not config.autoregressive:
+            warn_if_fitted_elsewhere(config.policy.name, fitted(), target=config.model.target,
+                                     drafter=config.model.drafter, device=config.runtime.device)
         self.verifier = host.verifiers.get(config.verifier.name).cls(config.verifier.params)
         check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
         self.sampler = Sampler.from_config(config.generation, self.runtime.device)  # None: greedy

@@ -396,7 +396,7 @@ def head_config(raw: dict[str, Any], target_config: Any, where: str) -> tuple[Ll
     rope, named = head_rope(raw)
     if not named and where not in _told:
         _told.add(where)
-        log.warning("%s: config.json names no rope_theta, rope_scaling or rope_parameters: RoPE θ %g unscaled, as "
+        log.warning("adaptivespec: %s: config.json names no rope_theta, rope_scaling or rope_parameters: RoPE θ %g unscaled, as "
                     "SGLang and EAGLE read such a head (not the target's RoPE)", where, DEFAULT_ROPE_THETA)
     over = {k: raw[k] for k in ("intermediate_size", "rms_norm_eps", "max_position_embeddings") if raw.get(k)}
     cfg = Eagle3Drafter.make_config(tc, draft_vocab, hidden_size=hidden, num_attention_heads=heads,

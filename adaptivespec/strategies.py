@@ -68,6 +68,13 @@ class TreePolicy(FusionRules):
         """Learn from one verify result: the verified tree and its accepted path (optional;
         called before :meth:`state` and :meth:`observe` of the same step)."""
 
+    def fitted_on(self) -> list:
+        """The fitted files this policy reads (cost profiles, calibration priors, fitted models), each
+        as a :class:`~adaptivespec.costmodel.ProfileOrigin` naming its config key and what it was
+        measured on. The engine compares them with the running target, head and CPU and warns once
+        where they differ. Default: none."""
+        return []
+
     def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
         """The bank shape whose executor verifies a tree of ``n`` nodes drafted with ``shape``
         (policies with a variable verify budget return a smaller bucket); default ``shape``."""

@@ -66,6 +66,7 @@ from adaptivespec.costmodel import (
     DEFAULT_PRIOR,
     CalibrationMap,
     CostModel,
+    ProfileOrigin,
     rank_by_value,
     resolve_profile,
 )
@@ -158,9 +159,10 @@ class CostAwarePolicy(TreePolicy):
     def __init__(self, params: CostAwareParams | None = None) -> None:
         super().__init__(params)
         p = self.params
-        self.cost = CostModel.load(resolve_profile(p.profile, DEFAULT_COST_PROFILE, "profile"))
-        self.calib = CalibrationMap.load(resolve_profile(p.prior, DEFAULT_PRIOR, "prior"),
-                                         prior_weight=p.prior_weight, decay=p.decay)
+        self._files = {"policy.profile": resolve_profile(p.profile, DEFAULT_COST_PROFILE, "profile"),
+                       "policy.prior": resolve_profile(p.prior, DEFAULT_PRIOR, "prior")}
+        self.cost = CostModel.load(self._files["policy.profile"])
+        self.calib = CalibrationMap.load(self._files["policy.prior"], prior_weight=p.prior_weight, decay=p.decay)
         self.buckets = tuple(sorted(set(p.buckets)))
         self.shape = TreeShape(p.max_depth, p.topk, self.buckets[-1])  # the drafting shape
         self._bucket_shapes = {b: TreeShape(p.max_depth, p.topk, b) for b in self.buckets}
@@ -175,6 +177,10 @@ class CostAwarePolicy(TreePolicy):
     # -- lifecycle --------------------------------------------------------------------------------
     def shapes(self) -> tuple[TreeShape, ...]:
         return (self.shape, *(s for b, s in self._bucket_shapes.items() if s != self.shape))
+
+    def fitted_on(self) -> list[ProfileOrigin]:
+        """The cost profile (timings: target, head and CPU matter) and the calibration prior (acceptance)."""
+        return [ProfileOrigin.read(key, path, timed=key == "policy.profile") for key, path in self._files.items()]
 
     def reset(self) -> None:
         """New prompt: the breaker state; what is learnt (map, continuation) carries over."""

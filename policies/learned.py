@@ -24,7 +24,7 @@ import attrs
 
 import adaptivespec
 from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, int_at_least, number_in
-from adaptivespec.costmodel import CostModel, resolve_profile
+from adaptivespec.costmodel import CostModel, ProfileOrigin, resolve_profile
 from adaptivespec.learned_model import ShapeModel, basis
 
 LEARNED, STATIC = 0, 1
@@ -77,7 +77,8 @@ class LearnedPolicy(TreePolicy):
         """``model``: an already loaded fitted model (replays), instead of ``params.model``."""
         super().__init__(params)
         p = self.params
-        cost = CostModel.load(resolve_profile(p.profile, "", "profile")) if p.profile else None
+        self._profile = resolve_profile(p.profile, "", "profile") if p.profile else None
+        cost = CostModel.load(self._profile) if self._profile else None
         if model is not None and cost is not None:
             model.set_cost(cost)
         self.model = model if model is not None else ShapeModel.load(p.model, cost)
@@ -89,6 +90,14 @@ class LearnedPolicy(TreePolicy):
 
     def shapes(self) -> tuple[TreeShape, ...]:
         return self._shapes
+
+    def fitted_on(self) -> list[ProfileOrigin]:
+        """The fitted model (its shape choice, and its cost model unless ``profile`` replaces it) and the
+        ``profile`` when given."""
+        origins = [ProfileOrigin.read("policy.model", self.model.source, timed=self._profile is None)]
+        if self._profile is not None:
+            origins.append(ProfileOrigin.read("policy.profile", self._profile, timed=True))
+        return origins
 
     def reset(self) -> None:
         self._ema = self.model.ema_init

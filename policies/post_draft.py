@@ -88,8 +88,10 @@ class PostDraftPolicy(CostAwarePolicy):
     def __init__(self, params: PostDraftParams | None = None) -> None:
         TreePolicy.__init__(self, params)
         p = self.params
-        self.cost = CostModel.load(resolve_profile(p.profile, DEFAULT_COST_PROFILE, "profile"))
-        self.cal = PathCalibration.load(resolve_profile(p.calibration, DEFAULT_PATH_CALIBRATION, "calibration"))
+        self._files = {"policy.profile": resolve_profile(p.profile, DEFAULT_COST_PROFILE, "profile"),
+                       "policy.calibration": resolve_profile(p.calibration, DEFAULT_PATH_CALIBRATION, "calibration")}
+        self.cost = CostModel.load(self._files["policy.profile"])  # (fitted_on: cost_aware's, over these files)
+        self.cal = PathCalibration.load(self._files["policy.calibration"])
         self.buckets = tuple(sorted(set(p.buckets)))
         self.shape = TreeShape(p.max_depth, p.topk, self.buckets[-1])
         self._bucket_shapes = {b: TreeShape(p.max_depth, p.topk, b) for b in self.buckets}

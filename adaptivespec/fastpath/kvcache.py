@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class BufferedLayer(DynamicLayer):
@@ -89,8 +89,11 @@ def buffered_cache(config, capacity: int, *, dtype: torch.dtype | None = None, d
 
     With ``dtype`` the buffers are allocated (zeroed) here rather than at the first forward."""
     cache = DynamicCache(config=config)
-    # only plain full-attention layers (sliding-window and other kinds keep their own logic)
-    cache.layers = [BufferedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    # full-attention layers, and sliding-window ones: the engine loads only windows at least as wide as
+    # max_position_embeddings (adaptivespec.models.attention_unsupported), full attention for every
+    # context; other kinds (recurrent, hybrid) keep their own logic
+    cache.layers = [BufferedLayer(capacity) if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
     if dtype is not None:
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -112,7 +112,9 @@ def fit_mode(mode: str, train: list, held: list, cost: CostModel, args, data: di
     f.fit()
     train_ms = f.tune_offsets(cols)
     name = f"learned-{MODEL_TAG}.json" if mode == "head" else f"learned-hybrid-{MODEL_TAG}.json"
-    meta = {"model": MODEL_TAG, "data": {k: v for k, v in data.items() if not k.endswith("prompts")},
+    meta = {"model": MODEL_TAG, "target": "smollm2-135m-instruct", "drafter": "embedded",  # the labels' pair
+            "machine": {"cpu": (cost.meta.get("machine") or {}).get("cpu")},  # where cost_ms was measured
+            "data": {k: v for k, v in data.items() if not k.endswith("prompts")},
             "train_vs_best_static": float(static[best] / train_ms)}
     fitted = fitted_file(P, f, cols, best, cost, meta)
     dcs = _dcs_policy() if mode == "head" else None
