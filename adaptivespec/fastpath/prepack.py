@@ -12,7 +12,6 @@ CPU kernels are installed (:func:`sgl_ops`) they run the packed matmuls instead 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -24,27 +23,10 @@ NO_SGL_ENV = "ADAPTIVESPEC_NO_SGL_KERNEL"
 _SGL_NEEDS = ("weight_packed_linear", "convert_weight_packed", "rmsnorm_cpu", "fused_add_rmsnorm_cpu", "silu_and_mul_cpu")
 
 
-@functools.cache
-def has_amx() -> bool:
-    """Whether this CPU reports AMX bf16 (``amx_bf16`` in /proc/cpuinfo's flags)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return " amx_bf16" in line
-    except OSError:
-        pass
-    return False
-
-
 def sgl_ops():
     """``torch.ops.sgl_kernel`` when SGLang's CPU kernel package imports here (optional: SGLang is not a
-    dependency; ``scripts/install_sglang_cpu.sh``), the CPU has AMX (:func:`has_amx`) and
-    ``$ADAPTIVESPEC_NO_SGL_KERNEL`` is not 1, else None.
-
-    Without AMX its kernels are much slower than oneDNN's: on a 2-vCPU AMD EPYC with AVX-512 bf16
-    (no AMX), hybrid.yaml decoded at 16.9 tok/s with them and 64.7 with oneDNN (same prompts, alternating)."""
-    if os.environ.get(NO_SGL_ENV, "0") == "1" or not has_amx():
+    dependency; ``scripts/install_sglang_cpu.sh``) and ``$ADAPTIVESPEC_NO_SGL_KERNEL`` is not 1, else None."""
+    if os.environ.get(NO_SGL_ENV, "0") == "1":
         return None
     try:
         import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
