@@ -367,6 +367,22 @@ def test_every_eos_of_the_generation_config_stops_and_so_do_request_stop_ids(mod
     assert engine.generate_ids(ids).token_ids == cont[: end + 1] == greedy(engine.target, ids, listed_eos)
 
 
+def test_the_api_takes_stop_token_ids_as_vllm_names_them():
+    from adaptivespec.config import load_config
+    from adaptivespec.server.schema import RequestError, parse_request
+
+    defaults = load_config(None, []).generation
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_request(body, chat=True, defaults=defaults, vocab_size=VOCAB).stop_token_ids == ()
+    req = parse_request(body | {"stop_token_ids": [EOM, 7]}, chat=True, defaults=defaults, vocab_size=VOCAB, strict=True)
+    assert req.stop_token_ids == (EOM, 7)
+    for bad, shown in (([7, VOCAB], str(VOCAB)), ("7", "'7'"), ([True], "True")):
+        with pytest.raises(RequestError) as err:
+            parse_request(body | {"stop_token_ids": bad}, chat=True, defaults=defaults, vocab_size=VOCAB)
+        assert err.value.param == "stop_token_ids" and shown in err.value.message
+        assert f"a list of token ids in [0, {VOCAB})" in err.value.message
+
+
 # -- profiles ------------------------------------------------------------------------------------------
 def test_a_profile_fitted_on_another_target_is_said_once(models_dir, host, tmp_path, caplog):
     target_dir, head_dir = tmp_path / "qwen3", tmp_path / "qwen3-head"  # paths no engine used before

@@ -280,7 +280,7 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
     if req.sampling is not None:
         seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
     job = Job(prompt_ids=ids, max_tokens=max_tokens, sampling=req.sampling, seed=seed,
-              response_format=req.response_format, loop=asyncio.get_running_loop())
+              response_format=req.response_format, stop_ids=req.stop_token_ids, loop=asyncio.get_running_loop())
     try:
         service.worker.submit(job)
     except QueueFull as full:

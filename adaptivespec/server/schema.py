@@ -55,7 +55,7 @@ IGNORED = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cac
 """OpenAI fields that change nothing here (``prediction``: predicted outputs change the latency, never
 the text), accepted and logged once per name (refused with ``strict``)."""
 COMMON = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-          "stream", "stream_options", "response_format", "regex", "ebnf", "user", *NEUTRAL)
+          "stop_token_ids", "stream", "stream_options", "response_format", "regex", "ebnf", "user", *NEUTRAL)
 CHAT_FIELDS = ("messages", "chat_template_kwargs", *COMMON)
 COMPLETION_FIELDS = ("prompt", *COMMON)
 MESSAGE_NULLS = {"tool_calls": ([],), "function_call": (), "refusal": (), "audio": (), "annotations": ([],),
@@ -117,6 +117,8 @@ class GenRequest:
     sampling: Sampling | None = None
     """None: greedy."""
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the generation besides the model's EOS ids (vLLM's name), kept in the output."""
     stream: bool = False
     include_usage: bool = False
     """``stream_options.include_usage``: the stream ends with a chunk of no choices and the usage."""
@@ -274,6 +276,18 @@ def _stop(raw: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _stop_token_ids(raw: Any, vocab_size: int) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    expected = f"a list of token ids in [0, {vocab_size})"
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        raise _bad("stop_token_ids", expected, raw)
+    bad = next((t for t in raw if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise _bad("stop_token_ids", expected, bad)
+    return tuple(raw)
+
+
 def _response_format(body: dict) -> ResponseFormat | None:
     raw, given = body.get("response_format"), [k for k in ("regex", "ebnf") if body.get(k) is not None]
     if raw is not None and not (isinstance(raw, dict) and raw.get("type") == "text"):
@@ -362,7 +376,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, defaults, vocab_size: int
         messages=_messages(body["messages"]) if chat else None,
         prompt=None if chat else _prompt(body["prompt"], vocab_size),
         max_tokens=max_tokens if max_tokens is not None else max_completion,
-        sampling=_sampling(body, defaults), stop=_stop(body.get("stop")), stream=stream,
+        sampling=_sampling(body, defaults), stop=_stop(body.get("stop")),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), vocab_size), stream=stream,
         include_usage=_include_usage(body.get("stream_options")), response_format=_response_format(body),
         model=body.get("model"), chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {})
 

@@ -106,6 +106,8 @@ class Job:
     sampling: Sampling | None = None
     seed: int = 0
     response_format: Any = None
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end this generation besides the model's EOS ids (the request's ``stop_token_ids``)."""
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     cancelled: threading.Event = attrs.Factory(threading.Event)
@@ -287,7 +289,8 @@ class Worker:
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         try:
             result = engine.generate_ids(job.prompt_ids, max_new_tokens=job.max_tokens, on_tokens=on_tokens,
-                                         on_step=on_step, seed=job.seed, response_format=job.response_format)
+                                         on_step=on_step, seed=job.seed, response_format=job.response_format,
+                                         **({"stop_ids": job.stop_ids} if job.stop_ids else {}))  # only when set: engines without it work
         except Cancelled:
             self.metrics.generated_tokens.inc(len(job.tokens))
             partial = self._partial(job, waited)
