@@ -100,12 +100,13 @@ PUBLISHED_WEIGHTS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
 
 def write_head(target, out: Path, seed: int = 0, **config) -> Path:
     """A random EAGLE-3 head for ``target`` in the published layout: attention of hidden / heads (never the
-    target's head_dim), default fused layers, a random draft vocabulary (non-zero d2t offsets);
-    ``config`` keys are added to (or, as None, removed from) config.json."""
+    target's head_dim) unless ``config`` names a ``head_dim``, default fused layers, a random draft
+    vocabulary (non-zero d2t offsets); ``config`` keys are added to (or, as None, removed from) config.json."""
     from adaptivespec.drafter import Eagle3Drafter, default_aux_layers
 
     tc = target.config
-    cfg = Eagle3Drafter.make_config(tc, DRAFT_VOCAB, head_dim=tc.hidden_size // tc.num_attention_heads)
+    head_dim = config.get("head_dim") or tc.hidden_size // tc.num_attention_heads
+    cfg = Eagle3Drafter.make_config(tc, DRAFT_VOCAB, head_dim=head_dim)
     head = Eagle3Drafter(cfg, target.get_input_embeddings(), default_aux_layers(tc.num_hidden_layers), tc.hidden_size)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -276,6 +277,41 @@ def test_a_qwen3_head_gets_its_attention_and_rope_from_its_own_config(models_dir
     assert head.config.rope_parameters["rope_theta"] == 10000.0  # not the target's 1e6
     said = [r.getMessage() for r in caplog.records if "RoPE" in r.getMessage()]
     assert len(said) == 1 and "θ 10000" in said[0] and str(head_dir) in said[0]  # once per head
+
+
+def test_the_fused_head_path_follows_a_head_whose_attention_is_wider_than_its_hidden(models_dir, tmp_path, monkeypatch):
+    """A head with an explicit head_dim (4 heads x 32 = 128 wide attention on a 64-wide hidden): the
+    fused bfloat16 step gives the modules' outputs bit for bit (oneDNN)."""
+    from adaptivespec.drafter import Eagle3Drafter
+    from adaptivespec.fastpath.drafter import fast_drafter
+    from adaptivespec.fastpath.prepack import NO_SGL_ENV, can_prepack
+
+    monkeypatch.setenv(NO_SGL_ENV, "1")
+    target = build_target("qwen3", torch.bfloat16)
+    wide = write_head(target, tmp_path / "wide-head", head_dim=32)
+    cfg = json.loads((wide / "config.json").read_text())
+    assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    head = Eagle3Drafter.from_pretrained(wide, target, torch.bfloat16)
+    if not can_prepack(head):
+        pytest.skip("oneDNN is not available in this torch build (or the bf16 fast path is off)")
+    assert head.midlayer.self_attn.o_proj.weight.shape == (64, 128)
+
+    @torch.inference_mode()
+    def run():
+        g = torch.Generator().manual_seed(0)
+        head.reset_cache(32)
+        hidden = tuple(torch.randn(1, 12, 64, generator=g).bfloat16() for _ in range(5))
+        state = head.fuse(hidden)[0]
+        out = head.step(torch.randint(0, VOCAB, (12,), generator=g), state, torch.arange(12), None)
+        level = head.step(torch.randint(0, VOCAB, (3,), generator=g), out[-1].expand(3, -1), torch.full((3,), 12), None)
+        return [state, out, level, head.log_probs(level)]
+
+    ref = run()
+    assert fast_drafter(head) is not None
+    got = run()
+    assert head.fast.params  # the fused path ran
+    for r, g in zip(ref, got):  # (fused state, prefill, a tree level, its draft distributions)
+        assert g.shape == r.shape and torch.equal(g, r)
 
 
 def test_a_head_names_its_rope_scaling_in_the_legacy_keys(models_dir, tmp_path):
