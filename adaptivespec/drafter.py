@@ -333,8 +333,8 @@ DEFAULT_ROPE_THETA = 10000.0
 """RoPE θ of a head whose config.json names no RoPE keys: the reference implementations' (SGLang's
 ``LlamaForCausalLMEagle3`` reads the head's own config, ``rope_theta`` defaulting to 10000; EAGLE's
 ``cnets.py`` builds its rotary embedding with base 10000 unless the config names ``rope_theta``).
-Published heads trained that way (yuhuili's EAGLE3-LLaMA3.1-Instruct-8B names none) would lose
-acceptance if they inherited the target's θ 500000 and llama3 scaling."""
+A head trained by them with such a config would lose acceptance if it inherited a Llama-3 target's
+θ 500000 and llama3 scaling instead."""
 _told: set[str] = set()
 
 
