@@ -456,3 +456,30 @@ def test_calibrate_measures_any_target_and_its_profile_is_then_used_quietly(mode
     assert not [r for r in caplog.records if r.name == "adaptivespec.profiles"]
     ids = engine.encode(PROMPTS[0])
     assert engine.generate_ids(ids).token_ids == greedy(engine.target, ids, sorted(engine.eos_ids))
+
+
+def test_every_profile_reading_policy_names_its_files_and_what_they_were_fitted_on(monkeypatch):
+    from adaptivespec import costmodel
+    from adaptivespec.costmodel import warn_if_fitted_elsewhere
+    from adaptivespec.policies.cost_aware import CostAwarePolicy
+    from adaptivespec.policies.learned import LearnedPolicy
+    from adaptivespec.policies.post_draft import PostDraftPolicy
+
+    origins = {p.name: {o.key: o for o in p.fitted_on()} for p in (CostAwarePolicy(), LearnedPolicy(), PostDraftPolicy())}
+    assert set(origins["cost_aware"]) == {"policy.profile", "policy.prior"}
+    assert set(origins["learned"]) == {"policy.model"} and set(origins["post_draft"]) == {"policy.profile", "policy.calibration"}
+    for files in origins.values():
+        for o in files.values():
+            assert (o.target, o.drafter) == ("smollm2-135m-instruct", "embedded"), o
+    timed = origins["cost_aware"]["policy.profile"]
+    assert timed.timed and timed.cpu == "AMD EPYC" and not origins["cost_aware"]["policy.prior"].timed
+    assert origins["learned"]["policy.model"].cpu == "AMD EPYC"  # its cost model's CPU
+    # the same pair under another name or path is the same model; the CPU counts for timings only
+    monkeypatch.setattr(costmodel, "cpu_name", lambda: "AMD EPYC")
+    assert warn_if_fitted_elsewhere("cost_aware", list(origins["cost_aware"].values()), device="cpu",
+                                    target="HuggingFaceTB/SmolLM2-135M-Instruct", drafter="embedded") is None
+    monkeypatch.setattr(costmodel, "cpu_name", lambda: "Intel(R) Xeon(R) Processor")
+    line = warn_if_fitted_elsewhere("cost_aware", list(origins["cost_aware"].values()), device="cpu",
+                                    target="smollm2-135m-instruct", drafter="embedded")
+    assert line is not None and "policy.profile (cpu-smollm2-135m-bf16.json) was fitted on CPU 'AMD EPYC' " \
+        "(running 'Intel(R) Xeon(R) Processor')" in line and "policy.prior" not in line.split(":")[1]
