@@ -108,8 +108,7 @@ class TorchRuntime:
         masks. Allocated (and zeroed, so resident) here, then reused by every generation that fits;
         a longer one grows them at its prefill. A server calls this at start-up with its context
         length, so its memory reaches its high-water mark before the first request."""
-        rows = max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows if self.bank is not None else 0
-        positions += rows + 1
+        positions = self.reserved_positions(positions)
         if self.bank is not None:
             self.bank.reserve(positions)
         if not reusable(self.cache, positions):
@@ -117,6 +116,11 @@ class TorchRuntime:
             self.cache = buffered_cache(self.target.config, positions, dtype=self.dtype, device=self.device)
         if self.drafter is not None:
             self.drafter.reset_cache(capacity=positions)
+
+    def reserved_positions(self, positions: int) -> int:
+        """The cache rows :meth:`reserve` takes for ``positions`` context positions: one verify tree more."""
+        rows = max(s.ndt for s in self.bank.shapes) + self.bank.extra_rows if self.bank is not None else 0
+        return positions + rows + 1
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0) -> int:

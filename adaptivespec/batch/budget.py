@@ -17,8 +17,16 @@ list and verifies the prefix that maximises expected tokens per millisecond of t
 ``N`` decoding requests each emit at least their bonus token; ``R0`` rows are spent anyway
 (every request's root row, the prompt chunks); ``T`` is the table's verify cost and ``D`` the
 step's draft cost. A node's ``S`` is capped by its parent's, so every prefix of the ranking is
-closed under ancestors and each request's verified tree falls out of the one ranking. ``B* = 0``
-is plain batched decoding.
+closed under ancestors and each request's verified tree falls out of the one ranking.
+
+Drafting is spent before the ranking, so the budget also decides, before each step, whether to
+draft at all (:meth:`RowBudget.speculate`): a speculative step's predicted rate
+``N * tau / (T(N + N * b) + overhead_spec)`` against a plain one's ``N / (T(N) + overhead_plain)``,
+with ``tau`` (tokens per request per speculative step), ``b`` (draft rows per request) and the
+overheads (each mode's measured step time beyond the table's forward) kept as running means of
+what the steps measured. A plain step is plain batched decoding (no draft, no candidates; the head
+still follows every token, so a later speculative step starts fresh); every
+:data:`EXPLORE_EVERY`-th step of a plain run speculates to keep ``tau`` current.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import attrs
 import numpy as np
 import torch
 
-from adaptivespec.fastpath.batched import DraftKV, DraftPart, Part, bound, layer_pieces, packed_draft_step, packed_forward
+from adaptivespec.fastpath.batched import DraftKV, DraftPart, KVSlab, Part, bound, layer_pieces, packed_draft_step, packed_forward
 from adaptivespec.fastpath.kvcache import buffered_cache
 from adaptivespec.models import cache_dir
 from adaptivespec.types import DraftTree
@@ -46,6 +54,8 @@ DRAFT_ROWS = (1, 8, 32, 64, 128)
 CONTEXTS = (128, 1024)
 """Cached keys per request the verify cost is measured at (linear in between and beyond)."""
 VERSION = 1
+EXPLORE_EVERY = 8
+"""Plain steps in a row after which one step speculates anyway (what the head accepts changes with the text)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -142,12 +152,13 @@ def measure(target, drafter, dtype: torch.dtype, device, *, reps: int = 3, progr
     pieces = layer_pieces(target)
     cfg = target.config
     top = max(ROWS)
-    caches = [buffered_cache(cfg, max(CONTEXTS) + top + 8, dtype=dtype, device=device) for _ in range(8)]
+    slab = KVSlab(cfg, 8, max(CONTEXTS) + top + 8, dtype, device)  # as the batch engine holds its caches
+    caches = [buffered_cache(cfg, slab.capacity) for _ in range(8)]
+    for i, cache in enumerate(caches):
+        slab.bind(i, cache)
 
     def fill(cache, n: int) -> None:  # n cached keys of zeros
         for layer in cache.layers:
-            if not layer.is_initialized:
-                layer.allocate(1, pieces.kv_heads, pieces.head_dim, pieces.head_dim, dtype, device)
             layer.length = n
             layer._view()
 
@@ -157,8 +168,8 @@ def measure(target, drafter, dtype: torch.dtype, device, *, reps: int = 3, progr
         R = sum(rows_per_part)
         ids = torch.zeros(R, dtype=torch.long, device=device)
         pos = torch.full((R,), context, dtype=torch.long, device=device)
-        parts = [Part(cache=c, rows=r, mask=None) for c, r in zip(caches, rows_per_part)]
-        packed_forward(pieces, ids, pos, parts, torch.arange(R, device=device), hidden=drafter is not None)
+        parts = [Part(cache=c, rows=r, mask=None, slot=i) for i, (c, r) in enumerate(zip(caches, rows_per_part))]
+        packed_forward(pieces, ids, pos, parts, torch.arange(R, device=device), hidden=drafter is not None, slab=slab)
 
     todo = len(ROWS) * len(CONTEXTS) + 2 + (len(DRAFT_ROWS) if drafter is not None else 0)
     done = 0
@@ -273,6 +284,38 @@ class RowBudget:
     def __init__(self, costs: CostTable, max_rows: int) -> None:
         self.costs, self.max_rows = costs, max_rows
         self.calibration = Calibration()
+        self.tau = 2.0  # tokens per request per speculative step (running mean; optimistic start: try it)
+        self.rows_per_request = 2.0  # draft rows per request the ranking chose (running mean)
+        self.overhead = {True: 0.0, False: 0.0}  # ms beyond the table's forward, per mode (running means)
+        self.plain_run = 0
+        self.mode = True  # the mode of the step in flight
+
+    # -- draft or not ---------------------------------------------------------------------------------
+    def predicted_rates(self, decoders: int, base_rows: int, context: float, requests: int) -> tuple[float, float]:
+        """(speculative, plain) tokens per ms predicted for a step of ``decoders`` decoding requests
+        and ``base_rows`` rows (roots and prompt chunks)."""
+        c = self.costs
+        spec_ms = c.verify(base_rows + decoders * self.rows_per_request, context, requests) + self.overhead[True]
+        plain_ms = c.verify(base_rows, context, requests) + self.overhead[False]
+        return decoders * self.tau / max(spec_ms, 1e-3), decoders / max(plain_ms, 1e-3)
+
+    def speculate(self, decoders: int, base_rows: int, context: float, requests: int) -> bool:
+        """Whether the coming step drafts (see the module's text); remembered for :meth:`step_done`."""
+        spec, plain = self.predicted_rates(decoders, base_rows, context, requests)
+        self.mode = spec > plain or self.plain_run >= EXPLORE_EVERY
+        self.plain_run = 0 if self.mode else self.plain_run + 1
+        return self.mode
+
+    def step_done(self, *, seconds_ms: float, rows: int, context: float, requests: int, decoders: int,
+                  tokens: int, draft_rows: int, smoothing: float = 0.2) -> None:
+        """What the step just run measured: its wall time, rows, tokens emitted by its decoders."""
+        if not decoders:
+            return
+        over = seconds_ms - float(self.costs.verify(rows, context, requests))
+        self.overhead[self.mode] += smoothing * (over - self.overhead[self.mode])
+        if self.mode:
+            self.tau += smoothing * (tokens / decoders - self.tau)
+            self.rows_per_request += smoothing * (draft_rows / decoders - self.rows_per_request)
 
     def estimates(self, tree: DraftTree, source_only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw estimate p [n], kind [n], calibrated and ancestor-capped S [n]) of ``tree``'s nodes

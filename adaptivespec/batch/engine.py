@@ -23,9 +23,9 @@ from adaptivespec.batch.request import Lane, Request, Status
 from adaptivespec.batch.scheduler import Chunk, Scheduler, StepPlan
 from adaptivespec.decode import Engine, GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.fastpath.batched import (DraftPart, Part, bound, layer_pieces, packed_draft_step, packed_forward,
-                                           padded_rows)
-from adaptivespec.fastpath.kvcache import empty
+from adaptivespec.fastpath.batched import (DraftPart, KVSlab, Part, bound, layer_pieces, packed_draft_step,
+                                           packed_forward, padded_rows)
+from adaptivespec.fastpath.kvcache import buffered_cache, empty
 from adaptivespec.fusion import HEAD
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposal
@@ -34,6 +34,9 @@ from adaptivespec.sampling import Sampler
 from adaptivespec.tree import subtree
 from adaptivespec.types import DraftTree, StepRecord, TreeShape, VerifyResult
 
+DEFAULT_CONTEXT = 2048
+"""Context positions per lane reserved when the caller names none (a longer request gets caches of
+its own, outside the slab: correct, slower)."""
 ROOT_SHAPE = TreeShape(1, 1, 2)
 """The shape recorded on a plain row (the root alone: never looked up in a shape bank)."""
 
@@ -71,6 +74,10 @@ class Item:
     """Its span of the packed forward's rows."""
     logit: int = 0
     """Where its rows start among the logits read."""
+    emitted: int = 0
+    """Tokens it emitted this step."""
+    context: int = 0
+    """Its cached positions when the step began."""
 
 
 @attrs.define(eq=False)
@@ -85,6 +92,13 @@ class StepStats:
     budget_rows: int | None = None
     """Draft rows the row budget chose (None: no budget)."""
     seconds: float = 0.0
+    draft_ms: float = 0.0
+    """Proposing: sources, policies, the head's levels."""
+    budget_ms: float = 0.0
+    verify_ms: float = 0.0
+    """The packed target forward."""
+    commit_ms: float = 0.0
+    """Verifiers, caches, the head's extension."""
 
 
 class BatchEngine:
@@ -122,8 +136,8 @@ class BatchEngine:
         self.free: list[Lane] = list(self.lanes)
         self.last = StepStats()
         self._lock = threading.Lock()
-        if context_length:
-            self.reserve(context_length)
+        self.slab: KVSlab | None = None
+        self.reserve(context_length or DEFAULT_CONTEXT)
 
     # -- what a server reads of the engine (the same names as :class:`~adaptivespec.decode.Engine`'s) --
     @property
@@ -141,14 +155,38 @@ class BatchEngine:
     def encode(self, text: str, raw: bool = False) -> list[int]:
         return self.lanes[0].engine.encode(text, raw)
 
+    @staticmethod
+    def _context_done(items: Sequence[Item]) -> float:
+        return sum(it.context for it in items) / len(items)
+
+    @staticmethod
+    def _context(items: Sequence[Item]) -> float:
+        return sum(it.request.lane.engine.runtime.P for it in items) / len(items)
+
+    def _slot(self, lane: Lane) -> int | None:
+        """``lane``'s slot in the slab, or None when its cache left it (a request longer than reserved)."""
+        slab = self.slab
+        return lane.index if slab is not None and slab.holds(lane.index, lane.engine.runtime.cache) else None
+
     def _bound(self, lane: Lane):
         """The draft head on ``lane``'s cache for single-request operations (nothing without a head)."""
         return bound(self.drafter, lane.kv) if self.drafter is not None else contextlib.nullcontext()
 
     # -- requests in and out ----------------------------------------------------------------------
     def reserve(self, positions: int) -> None:
-        """Every lane's caches sized for ``positions`` context positions now (a server's start-up)."""
+        """Every lane's caches sized for ``positions`` context positions now (a server's start-up):
+        the target's in one :class:`~adaptivespec.fastpath.batched.KVSlab` (slot ``i``: lane ``i``),
+        the draft head's per lane."""
+        rt0 = self.lanes[0].engine.runtime
+        cap = rt0.reserved_positions(positions)
+        self.slab = None  # the old slab goes before the new one is taken
         for lane in self.lanes:
+            lane.engine.runtime.cache = None
+        self.slab = KVSlab(self.target.config, len(self.lanes), cap, rt0.dtype, self.device)
+        for lane in self.lanes:
+            rt = lane.engine.runtime
+            rt.cache = buffered_cache(self.target.config, cap)
+            self.slab.bind(lane.index, rt.cache)
             with self._bound(lane):
                 lane.engine.reserve(positions)
 
@@ -195,16 +233,25 @@ class BatchEngine:
             return ended
         t0 = time.perf_counter()
         # 1. propose: each decoder's sources and policy; every head tree drafted together
-        items = self._propose(plan.decoders)
+        items = self._propose(plan)
         draft_ms = (time.perf_counter() - t0) * 1e3
         # 2. budget: one ranking of every candidate node; each tree cut to what is worth its rows
         choice = self._budget(plan, items, draft_ms)
+        t_budget = time.perf_counter()
         # 3. verify: one packed target forward over the prompt chunks and the trees
         first_logits, logits, fused = self._forward(plan.chunks, items)
         t_verify = time.perf_counter()
         # 4. commit: per request; the draft head follows every request in one pass
-        ended += self._commit(plan, items, first_logits, logits, fused, draft_ms, (t_verify - t0) * 1e3 - draft_ms)
+        ended += self._commit(plan, items, first_logits, logits, fused, draft_ms, (t_verify - t_budget) * 1e3)
+        t_end = time.perf_counter()
+        if self.budget is not None and items:
+            self.budget.step_done(seconds_ms=(t_end - t0) * 1e3, rows=plan.rows + sum(it.tree.size - 1 for it in items),
+                                  context=self._context_done(items), requests=len(items) + len(plan.chunks),
+                                  decoders=len(items), tokens=sum(it.emitted for it in items),
+                                  draft_rows=sum(it.tree.size - 1 for it in items))
         self.last = StepStats(requests=len(self.running) + len(ended), decoders=len(items),
+                              draft_ms=draft_ms, budget_ms=(t_budget - t0) * 1e3 - draft_ms,
+                              verify_ms=(t_verify - t_budget) * 1e3, commit_ms=(t_end - t_verify) * 1e3,
                               prefill_rows=sum(c.end - c.start for c in plan.chunks),
                               rows=plan.rows + sum(it.tree.size - 1 for it in items),
                               draft_rows=sum(it.tree.size - 1 for it in items),
@@ -263,11 +310,19 @@ class BatchEngine:
         return r
 
     # -- 1. propose -------------------------------------------------------------------------------
-    def _propose(self, decoders: Sequence[Request]) -> list[Item]:
-        items = [Item(request=r) for r in decoders]
-        if not self.speculative:
+    def _propose(self, plan: StepPlan) -> list[Item]:
+        items = [Item(request=r) for r in plan.decoders]
+        if not self.speculative or not items:
             return items
         n = len(items)
+        if self.budget is not None and not self.budget.speculate(n, plan.rows, self._context(items),
+                                                                 n + len(plan.chunks)):
+            return items  # a plain step: the roots alone
+        stale = [it.request.lane.engine.runtime for it in items if it.request.lane.engine.runtime.root_logp is None]
+        if stale:  # heads that followed plain steps: their draft distributions, in one pass
+            logp = self.drafter.log_probs(torch.stack([rt.root_state for rt in stale]))
+            for rt, lp in zip(stale, logp):
+                rt.root_logp = lp
         for it in items:
             lane = it.request.lane
             e = lane.engine
@@ -323,7 +378,7 @@ class BatchEngine:
     # -- 2. budget --------------------------------------------------------------------------------
     def _budget(self, plan: StepPlan, items: list[Item], draft_ms: float) -> Choice | None:
         budget = self.budget
-        if budget is None or not items:
+        if budget is None or not items or items[0].proposal is None:  # no budget, or a plain step
             return None
         scores, depths = [], []
         for it in items:
@@ -334,7 +389,7 @@ class BatchEngine:
             it.estimates = budget.estimates(it.tree, source_only)
             scores.append(it.estimates[2])
             depths.append(it.tree.depth)
-        context = sum(it.request.lane.engine.runtime.P for it in items) / len(items)
+        context = self._context(items)
         choice = budget.choose(scores, depths, base_rows=plan.rows, decoders=len(items),
                                requests=len(items) + len(plan.chunks), context=context, draft_ms=draft_ms)
         for it, keep in zip(items, choice.keep):
@@ -357,7 +412,7 @@ class BatchEngine:
             n = c.end - c.start
             ids.append(torch.tensor(c.request.prompt[c.start:c.end], dtype=torch.long, device=self.device))
             positions.append(torch.arange(c.start, c.end, device=self.device))
-            parts.append(Part(cache=rt.cache, rows=n))
+            parts.append(Part(cache=rt.cache, rows=n, slot=self._slot(c.request.lane)))
             if c.last:
                 logit_rows.append(torch.tensor([row + n - 1], device=self.device))
             row += n
@@ -371,7 +426,8 @@ class BatchEngine:
                 pos, mask = rt.verify_inputs(it.tree)
             else:
                 pos, mask = rt.P + it.tree.depth, None
-            ids.append(it.tree.tokens), positions.append(pos), parts.append(Part(cache=rt.cache, rows=n, mask=mask))
+            ids.append(it.tree.tokens), positions.append(pos)
+            parts.append(Part(cache=rt.cache, rows=n, mask=mask, slot=self._slot(it.request.lane)))
             logit_rows.append(torch.arange(row, row + n, device=self.device))
             it.rows, it.logit = (row, row + n), li
             row, li = row + n, li + n
@@ -385,7 +441,8 @@ class BatchEngine:
         m = read.shape[0]
         if m:
             read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
-        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self.drafter is not None)
+        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self.drafter is not None,
+                                        slab=self.slab)
         for it in items:
             if it.tree.size > 1:
                 it.request.lane.engine.runtime.verify_done(it.tree)
@@ -425,7 +482,9 @@ class BatchEngine:
                 e.constraint.mask_tree(tree, rows)
             result = e.verifier.verify(tree, rows)
             n_before = len(r.out)
+            it.context = rt.P
             done = e._take(r.out, result.tokens, r.max_new_tokens, r.on_tokens)
+            it.emitted = len(r.out) - n_before
             r.forwards += 1
             if not done:
                 with self._bound(lane):
@@ -433,8 +492,10 @@ class BatchEngine:
                 if ext is not None:
                     follow.append((lane, *ext))
                 rt.advance(result)
-            if self.speculative:
+            if it.proposal is not None:
                 self._observe(it, result, r.out[n_before:], draft_ms, verify_ms)
+            elif self.speculative:  # a plain step of a speculative config: the sources see the token
+                e.proposer.extend(r.out[n_before:])
             if done:
                 ended.append(self._finish(r, self._reason(r)))
         for r in first_tokens:  # the prompt's last row picked the first token
@@ -458,10 +519,9 @@ class BatchEngine:
                                 torch.cat([f[3] for f in follow]), parts)
         ends = torch.tensor([p.rows for p in parts]).cumsum(0) - 1
         last = out[ends]
-        logp = self.drafter.log_probs(last)
-        for (lane, *_), state, lp in zip(follow, last, logp):
+        for (lane, *_), state in zip(follow, last):  # the draft distribution when it is next needed (_propose)
             rt = lane.engine.runtime
-            rt.root_state, rt.root_logp = state, lp
+            rt.root_state, rt.root_logp = state, None
 
     def _observe(self, it: Item, result: VerifyResult, emitted: list[int], draft_ms: float, verify_ms: float) -> None:
         r, lane = it.request, it.request.lane
