@@ -25,8 +25,9 @@ draft at all (:meth:`RowBudget.speculate`): a speculative step's predicted rate
 with ``tau`` (tokens per request per speculative step), ``b`` (draft rows per request) and the
 overheads (each mode's measured step time beyond the table's forward) kept as running means of
 what the steps measured. A plain step is plain batched decoding (no draft, no candidates; the head
-still follows every token, so a later speculative step starts fresh); every
-:data:`EXPLORE_EVERY`-th step of a plain run speculates to keep ``tau`` current.
+still follows every token, so a later speculative step starts fresh); after
+:data:`EXPLORE_EVERY` plain steps one speculates to keep ``tau`` current (less often while such
+steps keep confirming the plain choice).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ CONTEXTS = (128, 1024)
 """Cached keys per request the verify cost is measured at (linear in between and beyond)."""
 VERSION = 1
 EXPLORE_EVERY = 8
-"""Plain steps in a row after which one step speculates anyway (what the head accepts changes with the text)."""
+"""Plain steps in a row after which one step speculates anyway (what the head accepts changes with
+the text); doubled, up to :data:`EXPLORE_MAX`, each time such a step confirms that plain steps pay more."""
+EXPLORE_MAX = 128
 
 
 @attrs.frozen(kw_only=True)
@@ -288,7 +291,9 @@ class RowBudget:
         self.rows_per_request = 2.0  # draft rows per request the ranking chose (running mean)
         self.overhead = {True: 0.0, False: 0.0}  # ms beyond the table's forward, per mode (running means)
         self.plain_run = 0
+        self.explore_every = EXPLORE_EVERY
         self.mode = True  # the mode of the step in flight
+        self.exploring = False
 
     # -- draft or not ---------------------------------------------------------------------------------
     def predicted_rates(self, decoders: int, base_rows: int, context: float, requests: int) -> tuple[float, float]:
@@ -302,7 +307,8 @@ class RowBudget:
     def speculate(self, decoders: int, base_rows: int, context: float, requests: int) -> bool:
         """Whether the coming step drafts (see the module's text); remembered for :meth:`step_done`."""
         spec, plain = self.predicted_rates(decoders, base_rows, context, requests)
-        self.mode = spec > plain or self.plain_run >= EXPLORE_EVERY
+        self.exploring = spec <= plain and self.plain_run >= self.explore_every
+        self.mode = spec > plain or self.exploring
         self.plain_run = 0 if self.mode else self.plain_run + 1
         return self.mode
 
@@ -316,6 +322,9 @@ class RowBudget:
         if self.mode:
             self.tau += smoothing * (tokens / decoders - self.tau)
             self.rows_per_request += smoothing * (draft_rows / decoders - self.rows_per_request)
+        if self.exploring:  # did the speculative step pay? then look again soon, else later
+            spec, plain = self.predicted_rates(decoders, rows - draft_rows, context, requests)
+            self.explore_every = EXPLORE_EVERY if spec > plain else min(2 * self.explore_every, EXPLORE_MAX)
 
     def estimates(self, tree: DraftTree, source_only: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw estimate p [n], kind [n], calibrated and ancestor-capped S [n]) of ``tree``'s nodes

@@ -266,6 +266,7 @@ class BatchEngine:
         e, rt = lane.engine, lane.engine.runtime
         r.lane, r.status, r.started = lane, Status.PREFILL, time.perf_counter()
         lane.step, lane.depth_cap = 0, 0
+        lane.pending.clear()
         sampler = lane.default_sampler
         if r.sampling is not None:
             s = r.sampling
@@ -318,6 +319,7 @@ class BatchEngine:
         if self.budget is not None and not self.budget.speculate(n, plan.rows, self._context(items),
                                                                  n + len(plan.chunks)):
             return items  # a plain step: the roots alone
+        self._catch_up([it.request.lane for it in items])
         stale = [it.request.lane.engine.runtime for it in items if it.request.lane.engine.runtime.root_logp is None]
         if stale:  # heads that followed plain steps: their draft distributions, in one pass
             logp = self.drafter.log_probs(torch.stack([rt.root_state for rt in stale]))
@@ -508,8 +510,20 @@ class BatchEngine:
             if done:
                 ended.append(self._finish(r, self._reason(r)))
         if follow:
-            self._follow(follow)
+            if self.budget is not None and not self.budget.mode:  # a plain step: the head catches up when it drafts
+                for lane, *rows in follow:
+                    lane.pending.append(rows)
+            else:
+                self._follow(follow)
         return ended
+
+    def _catch_up(self, lanes: Sequence[Lane]) -> None:
+        """The head runs the rows it skipped in plain steps, every lane's in one pass."""
+        behind = [lane for lane in lanes if lane.pending]
+        if behind:
+            self._follow([(lane, *(torch.cat(part) for part in zip(*lane.pending))) for lane in behind])
+            for lane in behind:
+                lane.pending.clear()
 
     def _follow(self, follow) -> None:
         """The draft head runs every request's new rows (prompt chunks, accepted tokens + bonus) in

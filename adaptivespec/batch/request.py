@@ -123,3 +123,6 @@ class Lane:
     """Verify rows beyond the root the row budget gave it at the last step."""
     default_sampler: Any = None
     """The config's sampler (None: greedy); a request with its own sampling gets its own."""
+    pending: list = attrs.Factory(list)
+    """Rows the draft head has yet to run: ``(tokens, states, positions)`` of steps that drafted
+    nothing; run in one pass before the lane drafts again (:meth:`BatchEngine._catch_up`)."""
