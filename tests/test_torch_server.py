@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import re
 import threading
 import time
 import types
@@ -502,9 +503,11 @@ def test_ready_line_comes_once_the_port_accepts(capsys):
 # -- the command a user runs ------------------------------------------------------------------------
 @pytest.mark.model
 def test_serve_runtime_torch_as_a_user_runs_it(tmp_path):
-    """``adaptivespec serve --runtime torch`` in its own process: it says which runtime it started,
-    answers, refuses what its --context-length cannot hold, trims after each generation and stops on
-    SIGINT; a --context-length beyond the model's is one line and exit 2."""
+    """``adaptivespec serve --runtime torch`` in its own process (the default ``--parallel 8``: the batch
+    engine, its caches reserved for 8 x 512 positions, which the small --context-length keeps quick):
+    it says which runtime it started and what it reserved, answers, refuses what its --context-length
+    cannot hold, trims once idle and stops on SIGINT; a --context-length beyond the model's is one
+    line and exit 2."""
     import signal
     import subprocess
     import sys
@@ -522,6 +525,9 @@ def test_serve_runtime_torch_as_a_user_runs_it(tmp_path):
         assert proc.poll() is None, log.read_text()
         lines = log.read_text().splitlines()
         assert lines[0] == f"adaptivespec serve: runtime torch (--runtime torch) on http://127.0.0.1:{port}"
+        ready = next(line for line in lines if "ready:" in line)
+        assert re.fullmatch(r"adaptivespec serve: ready: hybrid \(static\+strict\), 8 decoded together, KV reserved "
+                            r"[1-9][\d,]* MiB \(8 x 512 positions\), 16 may wait", ready), ready
         status, _, body = post(port, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         assert body["speculation"]["target_forwards"] >= 1
@@ -535,7 +541,7 @@ def test_serve_runtime_torch_as_a_user_runs_it(tmp_path):
             conn.close()
             return text
 
-        # the heap is trimmed once the answer is out, so the metric may lag the response a little
+        # the heap is trimmed once the engine has been idle a second, so the metric lags the response
         assert wait_for(lambda: "adaptivespec_server_trim_seconds_count 1.0" in metrics(), 30), metrics()
     finally:
         proc.send_signal(signal.SIGINT)

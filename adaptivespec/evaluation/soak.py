@@ -18,6 +18,11 @@
 
 One in five requests is bad; the order is fixed (a schedule of ten slots), so two runs send the
 same requests. Exit status 0 when every target holds, 1 when one does not.
+
+With ``--runtime torch`` the server decodes ``--parallel`` requests together (default: the
+concurrency, at most 16) and its ``--queue-size`` is the concurrency (at least serve's default), so
+the soak's own clients never meet a full queue: a 503 is a 5xx like any other, a failure
+(``http_503`` counts them apart). ``--max-rss-growth`` sets the memory target (default 10%).
 """
 
 from __future__ import annotations

@@ -16,12 +16,17 @@ from tqdm import tqdm
 
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.datasets import load_dataset
-from adaptivespec.evaluation.soak import Outcome, RssSampler, kind_of, request_body, send
+from adaptivespec.evaluation.soak import RSS_GROWTH_LIMIT, Outcome, RssSampler, kind_of, request_body, send
 from adaptivespec.evaluation.soak_report import SoakReport, figure, metrics_figure
 from adaptivespec.server.launch import DEFAULT_QUEUE_SIZE, torch_command
 from adaptivespec.sglang import serve
 from adaptivespec.sglang.metrics import parse_metrics
 from adaptivespec.sglang.server import SGLangServer, free_port, served_command
+
+MAX_PARALLEL = 16
+"""The torch runtime's ``--parallel`` when ``--parallel`` is not given: the concurrency, at most this
+(the issue's soak level, the load bench's top level; every slot reserves ``--context-length``
+positions of KV at start-up)."""
 
 
 def _positive_int(text: str) -> int:
@@ -58,8 +63,15 @@ def add_soak_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/soak", help="folder for soak.json, soak-rss.png and server.log (default runs/soak)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--runtime", choices=("sglang", "torch"), default="sglang",
-                   help="serve the config with SGLang (default) or with `adaptivespec serve --runtime torch` (one "
-                        "generation at a time; its queue is sized to --concurrency, at least its default)")
+                   help="serve the config with SGLang (default) or with `adaptivespec serve --runtime torch` "
+                        "(--parallel requests decoded together; its --queue-size is --concurrency, at least serve's "
+                        "default, so the soak's clients never meet a full queue: a 503 is a failure)")
+    p.add_argument("--parallel", type=_positive_int, metavar="N",
+                   help=f"torch runtime: serve --parallel N, requests decoded together (default: --concurrency, at "
+                        f"most {MAX_PARALLEL}; 1: one generation at a time)")
+    p.add_argument("--max-rss-growth", type=_positive_float, default=RSS_GROWTH_LIMIT * 100, metavar="PERCENT",
+                   help=f"the resident-memory growth after warm-up that fails the soak (default "
+                        f"{RSS_GROWTH_LIMIT * 100:.0f}; issue 52's target: 5)")
     p.add_argument("sglang_args", nargs=argparse.REMAINDER, metavar="-- SGLANG_ARGS",
                    help="further sglang.launch_server arguments, after --")
     p.set_defaults(func=run_soak_command)
@@ -83,7 +95,7 @@ def _context_tokens(target: str) -> int:
 
 def run_soak(port: int, leader: int, *, config: str, requests: int, concurrency: int, max_seconds: float,
              max_tokens: int, request_timeout: float, context_tokens: int, prompts: list[str], schemas: list[dict],
-             progress: bool = True) -> SoakReport:
+             progress: bool = True, rss_limit: float = RSS_GROWTH_LIMIT) -> SoakReport:
     """Send the mix to a server already listening on ``port`` (process group ``leader``)."""
     done: list[Outcome] = []
     sampler = RssSampler(leader, done)
@@ -123,7 +135,7 @@ def run_soak(port: int, leader: int, *, config: str, requests: int, concurrency:
     outcomes = tuple(o for o in results if o is not None)
     return SoakReport(config=config, requests=requests, concurrency=concurrency, seconds=seconds, outcomes=outcomes,
                       rss_series=tuple(sampler.series), metrics=metrics, answered_after=after.ok,
-                      not_run=requests - len(outcomes))
+                      not_run=requests - len(outcomes), rss_limit=rss_limit)
 
 
 def run_soak_command(args: argparse.Namespace) -> int:
@@ -133,23 +145,30 @@ def run_soak_command(args: argparse.Namespace) -> int:
     runtime = getattr(args, "runtime", "sglang")
     if runtime == "torch" and extra:
         raise AdaptiveSpecError(f"{extra[0]}: SGLang's arguments only with --runtime sglang")
+    if runtime != "torch" and getattr(args, "parallel", None) is not None:
+        raise AdaptiveSpecError("--parallel: only with --runtime torch (SGLang batches on its own)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    how = f"{runtime} runtime"
     if runtime == "torch":
-        argv = torch_command(args.config, port, queue_size=max(DEFAULT_QUEUE_SIZE, args.concurrency))
+        parallel = getattr(args, "parallel", None) or min(args.concurrency, MAX_PARALLEL)
+        queue = max(DEFAULT_QUEUE_SIZE, args.concurrency)  # >= the clients beyond the slots: never a 503
+        argv = torch_command(args.config, port, queue_size=queue, parallel=parallel)
         env = dict(os.environ)
+        how += f", --parallel {parallel}, --queue-size {queue}"
     else:
         serve.preflight()
         argv, env = served_command(args.config, port, extra_args=extra)
     target = serve._target_path(args.config, None)
     prompts, schemas = _inputs()
-    print(f"soak: serving {args.config} ({runtime} runtime) on 127.0.0.1:{port} (log {out / 'server.log'})", flush=True)
+    print(f"soak: serving {args.config} ({how}) on 127.0.0.1:{port} (log {out / 'server.log'})", flush=True)
     with SGLangServer(argv, env, out / "server.log", timeout=600) as server:
         report = run_soak(port, server.proc.pid, config=args.config, requests=args.requests,
                           concurrency=args.concurrency, max_seconds=args.max_seconds, max_tokens=args.max_tokens,
                           request_timeout=args.request_timeout, context_tokens=_context_tokens(target),
-                          prompts=prompts, schemas=schemas, progress=not args.quiet)
+                          prompts=prompts, schemas=schemas, progress=not args.quiet,
+                          rss_limit=getattr(args, "max_rss_growth", RSS_GROWTH_LIMIT * 100) / 100)
     data = report.to_json()
     (out / "soak.json").write_text(json.dumps(data, indent=1) + "\n")
     figure(report).savefig(out / "soak-rss.png", dpi=110)
@@ -158,7 +177,8 @@ def run_soak_command(args: argparse.Namespace) -> int:
                        f"{args.concurrency} at a time").savefig(out / "soak-metrics.png", dpi=110)
     growth = "n/a" if data["rss_growth"] is None else f"{data['rss_growth']:+.1%}"
     print(f"soak: {data['valid_completed']}/{data['valid']} valid completed, {data['bad_4xx_naming_field']}/{data['bad']} bad "
-          f"got a 4xx naming the field, {data['http_5xx']} 5xx, {data['hangs']} hangs, RSS growth {growth}, "
+          f"got a 4xx naming the field, {data['http_5xx']} 5xx ({data['http_503']} 503), {data['hangs']} hangs, "
+          f"RSS growth {growth} (limit {data['rss_limit']:.0%}), "
           f"state bounded: {data['state_bounded']}, answered after: {data['answered_after']} "
           f"({data['seconds']:.0f} s; {out / 'soak.json'})")
     for line in data["failures"]:

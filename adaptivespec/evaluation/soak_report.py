@@ -25,6 +25,8 @@ class SoakReport:
     metrics: dict[str, float]
     answered_after: bool
     not_run: int = 0
+    rss_limit: float = RSS_GROWTH_LIMIT
+    """The largest resident-memory growth that passes (``soak --max-rss-growth``), a fraction."""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -35,6 +37,7 @@ class SoakReport:
             "bad": len(bad), "bad_4xx_naming_field": sum(o.ok for o in bad),
             "bad_4xx": sum(o.status is not None and 400 <= o.status < 500 for o in bad),
             "http_5xx": sum(o.status is not None and o.status >= 500 for o in self.outcomes),
+            "http_503": sum(o.status == 503 for o in self.outcomes),
             "hangs": sum(o.status is None and o.detail.startswith("hang") for o in self.outcomes),
             "no_answer": sum(o.status is None for o in self.outcomes),
             "schema_invalid": sum(o.schema_valid is False for o in self.outcomes),
@@ -65,8 +68,8 @@ class SoakReport:
             if c[key]:
                 out.append(f"{key}: {c[key]}")
         growth = self.rss_growth
-        if growth is not None and growth >= RSS_GROWTH_LIMIT:
-            out.append(f"resident memory grew {growth:.1%} (limit {RSS_GROWTH_LIMIT:.0%})")
+        if growth is not None and growth >= self.rss_limit:
+            out.append(f"resident memory grew {growth:.1%} (limit {self.rss_limit:.0%})")
         if self.state_bounded() is False:
             out.append("the controller's per-request state exceeds the batch after the traffic")
         if not self.answered_after:
@@ -79,7 +82,7 @@ class SoakReport:
         growth = self.rss_growth
         return {"config": self.config, "requests": self.requests, "concurrency": self.concurrency,
                 "seconds": round(self.seconds, 1), **self.counts, "by_kind": by_kind,
-                "rss_growth": None if growth is None else round(growth, 4),
+                "rss_growth": None if growth is None else round(growth, 4), "rss_limit": self.rss_limit,
                 "rss_series": [list(s) for s in self.rss_series], "state_bounded": self.state_bounded(),
                 "answered_after": self.answered_after, "metrics": self.metrics, "failures": self.failures(),
                 "examples": [attrs.asdict(o) for o in self.outcomes if not o.ok][:20]}

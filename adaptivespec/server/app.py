@@ -1,4 +1,7 @@
-"""The torch server's HTTP side: a FastAPI app over one :class:`~adaptivespec.server.worker.Worker`.
+"""The torch server's HTTP side: a FastAPI app over one generation worker: a
+:class:`~adaptivespec.server.batch_worker.BatchWorker` (``--parallel N``: up to N requests decoded
+together, more wait in a FIFO queue) or, with ``--parallel 1``, a :class:`~adaptivespec.server.worker.Worker`
+(one generation at a time); both have the same surface.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's, streamed as
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``POST /tokenize`` and
@@ -285,8 +288,9 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
         service.worker.submit(job)
     except QueueFull as full:
         service.metrics.outcome("rejected")
-        err = RequestError(None, f"server busy: one generation runs at a time and {service.worker.queue_size} may "
-                                 f"wait (--queue-size); retry after {full.retry_after} s", status=503)
+        q = service.worker.queue_size
+        err = RequestError(None, f"server busy: {_running(service.worker)} and {q} more may wait (--queue-size {q}); "
+                                 f"all are taken, retry after {full.retry_after} s", status=503)
         return error_response(err, {"Retry-After": str(full.retry_after)})
     envelope = Envelope(chat, req.model or service.model)
     text = TextAssembler(service.engine.tokenizer, req.stop, incremental=req.stream)
@@ -295,6 +299,12 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return await _whole(service, request, job, text, envelope, len(ids))
+
+
+def _running(worker) -> str:
+    """What runs at once: ``--parallel`` requests decoded together (a batching worker), or one."""
+    n = getattr(worker, "parallel", 1)
+    return "one generation runs at a time (--parallel 1)" if n == 1 else f"{n} requests decode together (--parallel {n})"
 
 
 def _tokens(job: Job, text: TextAssembler, ids: list[int]) -> str:

@@ -29,6 +29,7 @@ class BatchWorker(Worker):
         super().__init__(engine, queue_size, metrics, build=build, trim=trim)
         self._jobs: dict[int, Job] = {}  # request id -> its job, while the engine holds the request
         self._requests: dict[int, Request] = {}
+        self._intake: list[Job] = []  # jobs taken off the queue and being handed to the engine (see _die)
 
     # -- the HTTP side ----------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -38,9 +39,8 @@ class BatchWorker(Worker):
                 job.post("error", self._failure)
                 return
             if self._stopping or self._waiting_count() >= self.queue_size:
-                slots = len(self.engine.lanes) if self.engine is not None else 1
                 ahead = len(self._waiting) + len(self._jobs)
-                raise QueueFull(max(1, math.ceil(self._mean_seconds * ahead / slots)))
+                raise QueueFull(max(1, math.ceil(self._mean_seconds * ahead / self.parallel)))
             self._waiting.append(job)
             self.metrics.queue_depth.set(self._waiting_count())
             self._cond.notify()
@@ -63,6 +63,11 @@ class BatchWorker(Worker):
     @property
     def running(self) -> int:
         return len(self._jobs)
+
+    @property
+    def parallel(self) -> int:
+        """Requests decoded together (the engine's lanes, ``--parallel``; 1 until it is built)."""
+        return len(self.engine.lanes) if self.engine is not None else 1
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -89,10 +94,11 @@ class BatchWorker(Worker):
                         job.post("error", "the server is shutting down")
                     self._waiting.clear()
                     return
-                new = list(self._waiting)
+                new = self._intake = list(self._waiting)
                 self._waiting.clear()
             for job in new:
                 self._take(job)
+            self._intake = []
             for rid, job in self._jobs.items():
                 if job.cancelled.is_set():
                     self._requests[rid].cancel()
@@ -172,7 +178,9 @@ class BatchWorker(Worker):
     def _die(self, reason: str) -> None:
         with self._cond:
             self._failure = reason
-            jobs = [*self._jobs.values(), *self._waiting]
+            held = list(self._jobs.values())
+            jobs = [*held, *(j for j in self._intake if not any(j is h for h in held)), *self._waiting]
+            self._intake = []
             self._jobs.clear()
             self._requests.clear()
             self._waiting.clear()

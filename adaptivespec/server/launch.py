@@ -186,10 +186,13 @@ def reserved_bytes(engine) -> int:
 
 
 def torch_command(config: str | Path, port: int, *, host: str = "127.0.0.1", queue_size: int | None = None,
-                  overrides: tuple[str, ...] = ()) -> list[str]:
-    """argv of ``adaptivespec serve --runtime torch`` for ``config`` (the bench's and the soak's)."""
+                  parallel: int | None = None, overrides: tuple[str, ...] = ()) -> list[str]:
+    """argv of ``adaptivespec serve --runtime torch`` for ``config`` (the bench's and the soak's);
+    ``queue_size``, ``parallel``: None leaves ``serve``'s defaults."""
     argv = [sys.executable, "-m", "adaptivespec.cli", "serve", "--runtime", "torch", "--config", str(config),
             "--host", host, "--port", str(port)]
+    if parallel is not None:
+        argv += ["--parallel", str(parallel)]
     if queue_size is not None:
         argv += ["--queue-size", str(queue_size)]
     for item in overrides:

@@ -3,15 +3,17 @@ exports too (:class:`adaptivespec.metrics.SpecMetrics`, the same names and defin
 engine's step records) and the server's own ``adaptivespec_server_*`` series.
 
 Of the shared series, those of SGLang's load controller (``load_choice_draft_tokens``,
-``load_capped_steps_total``, ``controller_*``) have nothing to measure with one generation at a
-time: ``load_choice_draft_tokens{batch_size="1"}`` shows the last step's ndt, the others stay at
-zero. Server series:
+``load_capped_steps_total``, ``controller_*``) are not fed here: the batch engine's own row budget
+has its series below (``load_choice_draft_tokens{batch_size="1"}`` shows the last step's ndt, the
+others stay at zero). Server series:
 
 =================================================  =========  =============================================
 name                                               type       what
 =================================================  =========  =============================================
-``adaptivespec_server_queue_seconds``              histogram  time a request waited in the FIFO queue
-``adaptivespec_server_queue_depth``                gauge      requests waiting (the running one not counted)
+``adaptivespec_server_queue_seconds``              histogram  time a request waited in the FIFO queue (to its
+                                                              hand-over to the engine)
+``adaptivespec_server_queue_depth``                gauge      requests waiting for a slot (running ones not
+                                                              counted)
 ``adaptivespec_server_requests_total{outcome}``    counter    requests by outcome: ``completed``,
                                                               ``cancelled`` (client gone), ``rejected``
                                                               (queue full: 503), ``bad`` (4xx), ``failed``
@@ -53,7 +55,7 @@ class ServerMetrics:
         p = f"{PREFIX}_server"
         self.queue_seconds = Histogram(f"{p}_queue_seconds", "Time a request waited in the FIFO queue",
                                        buckets=SECONDS_BUCKETS, registry=reg)
-        self.queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting in the queue (the running one not counted)",
+        self.queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting for a slot (running ones not counted)",
                                  registry=reg)
         self.requests = Counter(f"{p}_requests", "Requests by outcome", ["outcome"], registry=reg)
         self.generation_seconds = Histogram(f"{p}_generation_seconds", "Wall time of a generation (prefill included)",
