@@ -136,11 +136,8 @@ class ScriptedBatchEngine(ScriptedEngine):
                               budget_rows=self.budget_rows)
         return ended
 
-    def abort(self, reason: str) -> list[Request]:  # as BatchEngine.abort: every request ends with "error"
-        with self._lock:
-            waiting = list(self.waiting)
-            self.waiting.clear()
-        ended = [self._finish(r, "error") for r in [*self.running, *waiting]]
+    def abort(self, reason: str) -> list[Request]:  # as BatchEngine.abort: the running requests end with "error"
+        ended = [self._finish(r, "error") for r in list(self.running)]
         for r in ended:
             r.error = reason
         return ended

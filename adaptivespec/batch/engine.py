@@ -286,12 +286,9 @@ class BatchEngine:
         self.running.append(r)
 
     def abort(self, reason: str) -> list[Request]:
-        """End every request, running or waiting, with ``finish_reason`` ``"error"`` (a step failed:
-        the lanes start clean at the next join). Returns them."""
-        with self._lock:
-            waiting = list(self.waiting)
-            self.waiting.clear()
-        ended = [self._finish(r, "error") for r in [*self.running, *waiting]]
+        """End the running requests (those holding a lane) with ``finish_reason`` ``"error"``: a step
+        failed; their lanes start clean at the next join, waiting requests stay queued. Returns them."""
+        ended = [self._finish(r, "error") for r in list(self.running)]
         for r in ended:
             r.error = reason
         return ended
