@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
                    help="static shapes to time (default: 14 shapes, depth 1-6, topk 1-4, ndt 3-24)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--batch", action="store_true",
+                   help="measure the batch engine's cost table instead (verify cost by rows and context, draft cost "
+                        "by rows: what batch.row_budget: goodput spends rows by) and cache it for this CPU, target, "
+                        "dtype and thread count, where serve and the bench read it; --out is ignored")
     p.set_defaults(func=run_calibrate)
 
 
@@ -101,6 +105,8 @@ def run_calibrate(args) -> int:
     shapes = parse_shapes(args.shapes)
     models = [f"model.{k}={v}" for k, v in (("target", args.target), ("drafter", args.drafter)) if v is not None]
     config = load_config(args.config, [*models, *args.overrides])
+    if getattr(args, "batch", False):
+        return calibrate_batch(config)
     if config.model.drafter is None:
         raise AdaptiveSpecError(f"--config {args.config}: model.drafter is null; calibrate needs a drafter (--drafter)")
     if args.data is not None:
@@ -162,4 +168,17 @@ def run_calibrate(args) -> int:
                    data=args.data or "built-in prompts", prompts=len(prompts), command=command,
                    created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         print(f"calibration prior from {int(cells[1].sum())} verified nodes; wrote {args.prior_out}")
+    return 0
+
+
+def calibrate_batch(config) -> int:
+    """``calibrate --batch``: measure the batch engine's cost table here and cache it (replacing a cached one)."""
+    from adaptivespec.batch.budget import cost_path, load_or_measure, machine_key
+    from adaptivespec.decode import Engine
+
+    engine = Engine(config)
+    table = load_or_measure(engine.target, engine.runtime.drafter, config.model.target, config.runtime.dtype,
+                            engine.runtime.dtype, engine.runtime.device, remeasure=True)
+    print(f"calibrate --batch: {table.summary()}")
+    print(f"calibrate --batch: wrote {cost_path(machine_key(config.model.target, config.runtime.dtype))}")
     return 0

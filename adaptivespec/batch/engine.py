@@ -262,7 +262,8 @@ class BatchEngine:
     # -- joins and leaves ---------------------------------------------------------------------------
     def _join(self, r: Request) -> None:
         """``r`` takes a free lane: its strategies and caches start over (as ``generate_ids`` does)."""
-        lane = self.free.pop(0)
+        lane = min(self.free, key=lambda lane: lane.index)  # the lowest slot: the slab's attended range stays short
+        self.free.remove(lane)
         e, rt = lane.engine, lane.engine.runtime
         r.lane, r.status, r.started = lane, Status.PREFILL, time.perf_counter()
         lane.step, lane.depth_cap = 0, 0

@@ -102,6 +102,9 @@ class SlabStep:
     """One packed forward's shared attention over the slab for its short parts: the row maps and
     the mask, built once and used by every layer.
 
+    Only the slots from the lowest to the highest in use attend (a view of the slab: the engine
+    hands out the lowest free slot, so a few requests use a few slots).
+
     Worked example: slots 0..2, part A (slot 2, 1 row at past 5), part B (slot 0, a 3-node tree at
     past 4), packed rows [A0, B0, B1, B2]: ``r_max`` 3, keys ``S`` = max(5 + 1, 4 + 3) = 7;
     ``q_index[2] = [0, 0, 0]`` (A's row, then padding), ``q_index[0] = [1, 2, 3]``; slot 1 idle;
@@ -116,7 +119,10 @@ class SlabStep:
             return
         r_max = max(parts[j].rows for j in self.members)
         S = max(pasts[j] + parts[j].rows for j in self.members)
-        n = slab.slots
+        lo = min(parts[j].slot for j in self.members)  # the slots from lo to hi attend (views, no copy)
+        hi = max(parts[j].slot for j in self.members) + 1
+        n = hi - lo
+        self.lo, self.hi = lo, hi
         neg = torch.finfo(dtype).min
         mask = torch.full((n, 1, r_max, S), neg, dtype=dtype, device=device)
         mask[:, :, :, 0] = 0
@@ -124,10 +130,10 @@ class SlabStep:
         rows, slots, positions, flat = [], [], [], []
         for j in self.members:
             p, s0, past = parts[j], starts[j], pasts[j]
-            r = p.rows
-            q_index[p.slot, :] = s0
-            q_index[p.slot, :r] = torch.arange(s0, s0 + r, device=device)
-            block = mask[p.slot, 0, :r]
+            r, slot = p.rows, p.slot - lo
+            q_index[slot, :] = s0
+            q_index[slot, :r] = torch.arange(s0, s0 + r, device=device)
+            block = mask[slot, 0, :r]
             block[:, :past] = 0
             if p.mask is not None:  # a tree's (or any given) mask over its own rows
                 own = p.mask[0, 0, :, past : past + r]
@@ -137,7 +143,7 @@ class SlabStep:
             rows.append(torch.arange(s0, s0 + r, device=device))
             slots.append(torch.full((r,), p.slot, dtype=torch.long, device=device))
             positions.append(torch.arange(past, past + r, device=device))
-            flat.append(p.slot * r_max + torch.arange(r, device=device))
+            flat.append(slot * r_max + torch.arange(r, device=device))
         self.mask, self.q_index, self.S, self.r_max = mask, q_index, S, r_max
         groups = heads // slab.k[0].shape[1]
         self.folded = mask.expand(n, groups, r_max, S).reshape(n, 1, groups * r_max, S)  # rows as q is folded
@@ -153,7 +159,8 @@ class SlabStep:
         K, V = self.slab.k[i], self.slab.v[i]
         K[self.slots, :, self.positions] = k[self.rows]
         V[self.slots, :, self.positions] = v[self.rows]
-        n, H, D = self.slab.slots, q.shape[1], q.shape[2]
+        K, V = K[self.lo : self.hi], V[self.lo : self.hi]
+        n, H, D = self.hi - self.lo, q.shape[1], q.shape[2]
         Hkv, r = K.shape[1], self.r_max
         g = H // Hkv
         # a KV head's g query heads folded into g * r_max rows (torch's CPU SDPA with enable_gqa copies
