@@ -63,10 +63,14 @@ class BatchConfig:
     the costs measured on this machine (``adaptivespec calibrate --batch``, else at start-up, cached)."""
     max_rows: int = attrs.field(default=512, validator=positive_int)
     """Most rows one packed target forward runs (prompt chunks and verify trees together)."""
-    prefill_rows: int = attrs.field(default=128, validator=positive_int)
+    prefill_rows: int = attrs.field(default=0, validator=int_at_least(0))
     """Prompt rows a step takes while other requests decode (a request alone prefills in
     ``runtime.prefill_chunk`` chunks): a long prompt is read over several steps, interleaved
-    with the others' decoding, so their inter-token latency stays bounded."""
+    with the others' decoding, so their inter-token latency stays bounded. 0 (default): sized each
+    step from the measured costs, the most rows (a multiple of 16, at least 16) that keep the step
+    within ``prefill_stall`` times its cost without them (128 where no costs were measured)."""
+    prefill_stall: float = attrs.field(default=1.8, validator=number_in(1, None, lo_open=True))
+    """With ``prefill_rows: 0``: how much slower than without it a step that also reads a prompt chunk may be."""
 
 
 @attrs.frozen(kw_only=True)

@@ -34,6 +34,8 @@ from adaptivespec.sampling import Sampler
 from adaptivespec.tree import subtree
 from adaptivespec.types import DraftTree, StepRecord, TreeShape, VerifyResult
 
+PREFILL_STEP = 8
+PREFILL_ROWS_UNMEASURED = 128
 DEFAULT_CONTEXT = 2048
 """Context positions per lane reserved when the caller names none (a longer request gets caches of
 its own, outside the slab: correct, slower)."""
@@ -105,7 +107,10 @@ class BatchEngine:
     """Up to ``slots`` requests decoded together (continuous batching); more wait in FIFO order."""
 
     def __init__(self, config, slots: int = 8, *, host=None, context_length: int | None = None, costs=None,
-                 log: Callable[[str], None] = print) -> None:
+                 measure: bool = False, log: Callable[[str], None] = print) -> None:
+        """``costs``: a :class:`~adaptivespec.batch.budget.CostTable` to use; else, where the row budget
+        or cost-sized prompt chunks need one (or with ``measure``), the one cached for this machine,
+        measured first if there is none (``measure``, or ``batch.row_budget: goodput``)."""
         if slots < 1:
             raise AdaptiveSpecError(f"slots: expected a positive number of requests decoded together, got {slots}")
         host = host or get_plugin_host()
@@ -123,14 +128,15 @@ class BatchEngine:
             lane.default_sampler = lane.engine.sampler  # the config's (None: greedy)
         bc = config.batch
         self.budget: RowBudget | None = None
-        if bc.row_budget == "goodput" and self.speculative:
-            if costs is None:
-                costs = load_or_measure(self.target, self.drafter, config.model.target, config.runtime.dtype,
-                                        first.runtime.dtype, self.device, log=log)
+        goodput = bc.row_budget == "goodput" and self.speculative
+        if costs is None and (goodput or measure):
+            costs = load_or_measure(self.target, self.drafter, config.model.target, config.runtime.dtype,
+                                    first.runtime.dtype, self.device, log=log)
+        if goodput:
             self.budget = RowBudget(costs, bc.max_rows)
         self.costs = costs
-        self.scheduler = Scheduler(slots, prefill_rows=bc.prefill_rows, prefill_chunk=config.runtime.prefill_chunk,
-                                   max_rows=bc.max_rows)
+        self.scheduler = Scheduler(slots, prefill_rows=bc.prefill_rows or self._chunk_rows,
+                                   prefill_chunk=config.runtime.prefill_chunk, max_rows=bc.max_rows)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free: list[Lane] = list(self.lanes)
@@ -138,6 +144,24 @@ class BatchEngine:
         self._lock = threading.Lock()
         self.slab: KVSlab | None = None
         self.reserve(context_length or DEFAULT_CONTEXT)
+
+    def _chunk_rows(self, base_rows: int, past: int = 0) -> int:
+        """Prompt rows for a step that runs ``base_rows`` rows without them (``batch.prefill_rows: 0``),
+        the prompt's first ``past`` tokens already read: the most, in multiples of 8 (at least 8),
+        that keep the step within ``batch.prefill_stall`` times its cost by the cost table (the chunk's
+        rows priced at their context); 128 without a table."""
+        costs = self.costs
+        if costs is None:
+            return PREFILL_ROWS_UNMEASURED
+        limit = self.config.batch.prefill_stall * float(costs.verify(base_rows))
+
+        def cost(rows: int) -> float:  # the chunk's rows attend over `past` keys, the roots over few
+            return float(costs.verify(base_rows + rows, past * rows / (base_rows + rows)))
+
+        rows = PREFILL_STEP
+        while rows + PREFILL_STEP <= self.config.batch.max_rows and cost(rows + PREFILL_STEP) <= limit:
+            rows += PREFILL_STEP
+        return rows
 
     # -- what a server reads of the engine (the same names as :class:`~adaptivespec.decode.Engine`'s) --
     @property
@@ -412,7 +436,7 @@ class BatchEngine:
             n = c.end - c.start
             ids.append(torch.tensor(c.request.prompt[c.start:c.end], dtype=torch.long, device=self.device))
             positions.append(torch.arange(c.start, c.end, device=self.device))
-            parts.append(Part(cache=rt.cache, rows=n, slot=self._slot(c.request.lane)))
+            parts.append(Part(cache=rt.cache, rows=n))  # attends alone: its long context would widen everyone's keys
             if c.last:
                 logit_rows.append(torch.tensor([row + n - 1], device=self.device))
             row += n

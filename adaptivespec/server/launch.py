@@ -109,7 +109,7 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
             engine.reserve(context)  # every cache sized for the longest request now: memory at its high-water mark
             warm_up(engine, context)
             return engine
-        engine = BatchEngine(config, parallel, log=lambda line: print(f"adaptivespec serve: {line}", file=sys.stderr,
+        engine = BatchEngine(config, parallel, measure=True, log=lambda line: print(f"adaptivespec serve: {line}", file=sys.stderr,
                                                                      flush=True))
         context = served_context(engine, args.context_length)
         engine.reserve(context)  # parallel x context positions in every lane's caches, now
