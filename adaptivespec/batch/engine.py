@@ -542,6 +542,8 @@ class BatchEngine:
     def _catch_up(self, lanes: Sequence[Lane]) -> None:
         """The head runs the rows it skipped in plain steps, every lane's in one pass."""
         behind = [lane for lane in lanes if lane.pending]
+        for lane in behind:  # commit_target moved the head's length past the rows it has not run yet
+            lane.kv.length = int(lane.pending[0][2][0])
         if behind:
             self._follow([(lane, *(torch.cat(part) for part in zip(*lane.pending))) for lane in behind])
             for lane in behind:
