@@ -143,6 +143,7 @@ class BatchEngine:
         self.last = StepStats()
         self._lock = threading.Lock()
         self.slab: KVSlab | None = None
+        self._plain = False  # the step in flight drafts nothing (the row budget's choice)
         self.reserve(context_length or DEFAULT_CONTEXT)
 
     def _chunk_rows(self, base_rows: int, past: int = 0) -> int:
@@ -335,11 +336,13 @@ class BatchEngine:
     # -- 1. propose -------------------------------------------------------------------------------
     def _propose(self, plan: StepPlan) -> list[Item]:
         items = [Item(request=r) for r in plan.decoders]
+        self._plain = False
         if not self.speculative or not items:
             return items
         n = len(items)
         if self.budget is not None and not self.budget.speculate(n, plan.rows, self._context(items),
                                                                  n + len(plan.chunks)):
+            self._plain = True
             return items  # a plain step: the roots alone
         self._catch_up([it.request.lane for it in items])
         stale = [it.request.lane.engine.runtime for it in items if it.request.lane.engine.runtime.root_logp is None]
@@ -532,7 +535,7 @@ class BatchEngine:
             if done:
                 ended.append(self._finish(r, self._reason(r)))
         if follow:
-            if self.budget is not None and not self.budget.mode:  # a plain step: the head catches up when it drafts
+            if self._plain:  # a plain step: the head catches up when it next drafts
                 for lane, *rows in follow:
                     lane.pending.append(rows)
             else:
