@@ -215,10 +215,20 @@ class CostModel:
         # n * P varies with n alone when P does not: keep it only when the contexts differ enough
         spread = float(X[:, 0].max() - X[:, 0].min())
         varies = [j for j in range(5) if float(X[:, j].max() - X[:, j].min()) > 0 and (j < 4 or spread >= 256)]
-        dropped = []
+        dropped, pinned = [], None
         while True:  # a negative cost per unit is noise (or collinearity): drop that term and refit
             A = torch.cat([torch.ones(len(rows), 1, dtype=torch.float64), X[:, varies]], dim=1)
-            sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+            if pinned is None:
+                sol = torch.linalg.lstsq(A, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+            else:  # the intercept held at its floor, the per-unit terms fitted to the rest
+                rest = torch.linalg.lstsq(A[:, 1:], (y - pinned).unsqueeze(1), driver="gelsd").solution.squeeze(1)
+                sol = torch.cat([torch.tensor([pinned], dtype=torch.float64), rest])
+            if pinned is None and float(sol[0]) <= 0:
+                # steps timed on a busy machine (a descheduled thread adds a whole time slice to a few of
+                # them) can pull the intercept to or below zero, which no profile may hold (load refuses
+                # it): keep it at 1 % of the median step, the bound a constrained fit would reach
+                pinned = 0.01 * float(y.median())
+                continue
             if not varies or float(sol[1:].min()) >= 0:
                 break
             worst = int(sol[1:].argmin())
@@ -231,6 +241,8 @@ class CostModel:
         meta = dict(meta)
         meta["fit"] = {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max()), "steps": len(rows),
                        "dropped_negative_terms": dropped}
+        if pinned is not None:
+            meta["fit"]["fixed_pinned_ms"] = pinned  # the free fit put the intercept at or below 0
         return cls(**dict(zip(COST_TERMS, coef)), context_ref=float(X[:, 0].median()), meta=meta)
 
     def to_json(self) -> dict[str, Any]:

@@ -120,6 +120,16 @@ def write_head(target, out: Path, seed: int = 0, **config) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and on a shared machine a second thread makes every small
+    op wait for a descheduled one (the file ran 5x slower with two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     """arch -> (target folder, head folder): built once for the module."""
@@ -144,7 +154,8 @@ def engine_for(host, config: str, target: Path, head: Path | None, *extra: str):
     from adaptivespec.decode import Engine
 
     overrides = [f"model.target={target}", f"model.drafter={head if head is not None else 'null'}",
-                 "runtime.dtype=float32", "runtime.device=cpu", f"generation.max_new_tokens={MAX_NEW}", *extra]
+                 "runtime.dtype=float32", "runtime.device=cpu", "runtime.threads=1", f"generation.max_new_tokens={MAX_NEW}",
+                 *extra]
     return Engine(load_config(ROOT / "configs" / f"{config}.yaml", overrides, host=host), host=host)
 
 
@@ -177,8 +188,11 @@ def test_fused_forward_is_bit_identical_to_transformers(arch, monkeypatch):
 
 
 # -- lossless, every architecture and config ----------------------------------------------------------
-@pytest.mark.parametrize("config", ["ar", "eagle3", "hybrid", "cost-aware"])
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+LOSSLESS_CASES = [(arch, config) for arch in sorted(ARCHS) for config in ("ar", "eagle3", "hybrid", "cost-aware")
+                  if arch != "mistral-wide-window" or config == "eagle3"]  # (a wide window: like mistral's full attention)
+
+
+@pytest.mark.parametrize("arch, config", LOSSLESS_CASES)
 def test_strict_decoding_equals_greedy_generate(arch, config, models_dir, host):
     target_dir, head_dir = models_dir[arch]
     engine = engine_for(host, config, target_dir, None if config == "ar" else head_dir)
@@ -444,7 +458,7 @@ def test_calibrate_measures_any_target_and_its_profile_is_then_used_quietly(mode
     rc = main(["calibrate", "--config", str(ROOT / "configs" / "cost-aware.yaml"), "--target", str(target_dir),
                "--drafter", str(head_dir), "--out", str(profile), "--prior-out", str(prior), "--limit", "1",
                "--max-new-tokens", "12", "--shapes", "1,2,3", "2,2,4", "3,2,6", "--no-progress",
-               "--set", "runtime.dtype=float32"])
+               "--set", "runtime.dtype=float32", "--set", "runtime.threads=1"])
     assert rc == 0
     meta = json.loads(profile.read_text())
     assert meta["model"] == {"target": str(target_dir), "drafter": str(head_dir)}
@@ -483,3 +497,17 @@ def test_every_profile_reading_policy_names_its_files_and_what_they_were_fitted_
                                     target="smollm2-135m-instruct", drafter="embedded")
     assert line is not None and "policy.profile (cpu-smollm2-135m-bf16.json) was fitted on CPU 'AMD EPYC' " \
         "(running 'Intel(R) Xeon(R) Processor')" in line and "policy.prior" not in line.split(":")[1]
+
+
+def test_a_fit_whose_free_intercept_goes_negative_still_writes_a_profile_that_loads(tmp_path):
+    """Steps timed on a busy machine can pull the intercept below zero (seen here under load in the
+    calibrate test above); the profile must still load, its intercept held at a small floor."""
+    from adaptivespec.costmodel import CostModel
+
+    rows = [(100, depth, 2 * depth, n, 3.0 * n - 5.0) for depth in range(3) for n in range(2, 9)]
+    model = CostModel.fit(rows)
+    assert model.fixed > 0 and model.meta["fit"]["fixed_pinned_ms"] == model.fixed
+    model.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").fixed == model.fixed
+    free = CostModel.fit([(100, depth, 2 * depth, n, 4.0 + 0.5 * n) for depth in range(3) for n in range(2, 9)])
+    assert free.fixed == pytest.approx(4.0) and "fixed_pinned_ms" not in free.meta["fit"]
