@@ -533,7 +533,7 @@ def test_serve_parallel_1_keeps_the_one_at_a_time_worker(argv, kind, how, monkey
             pass
 
     class Batch(ScriptedBatchEngine):
-        def __init__(self, config, slots, log=print) -> None:
+        def __init__(self, config, slots, measure=False, log=print) -> None:  # BatchEngine's signature
             super().__init__(slots)
             built["engine"] = f"BatchEngine({slots})"
 

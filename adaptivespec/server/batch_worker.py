@@ -14,7 +14,7 @@ import time
 
 from adaptivespec.batch import BatchEngine, Request
 from adaptivespec.batch.request import Sampling as RequestSampling
-from adaptivespec.server.worker import Finished, Job, QueueFull, Worker, log, trim_heap
+from adaptivespec.server.worker import Finished, Job, QueueFull, Worker, log
 
 IDLE_TRIM_S = 1.0
 """With ``trim``, the heap is trimmed when the engine has been idle this long (not after every
@@ -170,21 +170,11 @@ class BatchWorker(Worker):
         if s.requests:
             self.metrics.observe_batch(requests=s.requests, rows=s.rows, budget_rows=s.budget_rows)
 
-    def _trim(self) -> None:
-        t0 = time.perf_counter()
-        if trim_heap():
-            self.metrics.trim_seconds.observe(time.perf_counter() - t0)
-
-    def _die(self, reason: str) -> None:
-        with self._cond:
-            self._failure = reason
-            held = list(self._jobs.values())
-            jobs = [*held, *(j for j in self._intake if not any(j is h for h in held)), *self._waiting]
-            self._intake = []
-            self._jobs.clear()
-            self._requests.clear()
-            self._waiting.clear()
-            self.metrics.queue_depth.set(0)
-        for job in jobs:
-            self.metrics.outcome("failed")
-            job.post("error", reason)
+    def _release(self) -> list[Job]:
+        held = list(self._jobs.values())
+        jobs = [*held, *(j for j in self._intake if not any(j is h for h in held)), *self._waiting]
+        self._intake = []
+        self._jobs.clear()
+        self._requests.clear()
+        self._waiting.clear()
+        return jobs

@@ -244,17 +244,26 @@ class Worker:
             with self._cond:
                 self._running = None
             if self.trim:
-                t0 = time.perf_counter()
-                if trim_heap():
-                    self.metrics.trim_seconds.observe(time.perf_counter() - t0)
+                self._trim()
+
+    def _trim(self) -> None:
+        """:func:`trim_heap`, timed into ``trim_seconds``."""
+        t0 = time.perf_counter()
+        if trim_heap():
+            self.metrics.trim_seconds.observe(time.perf_counter() - t0)
+
+    def _release(self) -> list[Job]:
+        """Every job the worker holds, running and waiting, let go of (under the lock)."""
+        jobs = [*([self._running] if self._running is not None else []), *self._waiting]
+        self._waiting.clear()
+        self._running = None
+        return jobs
 
     def _die(self, reason: str) -> None:
         """Mark the worker failed and answer every job it holds with ``("error", reason)``."""
         with self._cond:
             self._failure = reason
-            jobs = [*([self._running] if self._running is not None else []), *self._waiting]
-            self._waiting.clear()
-            self._running = None
+            jobs = self._release()
             self.metrics.queue_depth.set(0)
         for job in jobs:
             self.metrics.outcome("failed")
