@@ -67,8 +67,9 @@ class BatchConfig:
     """Prompt rows a step takes while other requests decode (a request alone prefills in
     ``runtime.prefill_chunk`` chunks): a long prompt is read over several steps, interleaved
     with the others' decoding, so their inter-token latency stays bounded. 0 (default): sized each
-    step from the measured costs, the most rows (a multiple of 16, at least 16) that keep the step
-    within ``prefill_stall`` times its cost without them (128 where no costs were measured)."""
+    step from the measured costs, the most rows (a multiple of 8, at least 8) that keep the step
+    within ``prefill_stall`` times its cost without them, ``prefill_stall - 1`` more for every further
+    request reading its prompt (128 where no costs were measured)."""
     prefill_stall: float = attrs.field(default=1.8, validator=number_in(1, None, lo_open=True))
     """With ``prefill_rows: 0``: how much slower than without it a step that also reads a prompt chunk may be."""
 

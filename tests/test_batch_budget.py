@@ -86,21 +86,25 @@ def test_max_rows_bounds_prompt_rows_with_and_without_decoders():
 
 
 def test_prompt_rows_may_be_a_function_of_the_step():
-    """``prefill_rows`` as a function: asked with the decoders' root rows and the first prompt's
-    tokens already read, only when someone decodes."""
+    """``prefill_rows`` as a function: asked with the decoders' root rows, the first prompt's tokens
+    already read and the number of prompts being read, only when someone decodes."""
     asked = []
-    s = Scheduler(3, prefill_rows=lambda base, past: asked.append((base, past)) or 5, prefill_chunk=16, max_rows=64)
+    s = Scheduler(4, prefill_rows=lambda base, past, prompts: asked.append((base, past, prompts)) or 5,
+                  prefill_chunk=16, max_rows=64)
     d, p = req(6, Status.DECODE, 6), req(20, Status.PREFILL, 3)
-    assert spans(s.plan([d, p], [])) == [(p, 3, 8)] and asked == [(1, 3)]
+    assert spans(s.plan([d, p], [])) == [(p, 3, 8)] and asked == [(1, 3, 1)]
+    w = req(9)
+    assert spans(s.plan([d, p], [w])) == [(p, 3, 8)] and asked[-1] == (1, 3, 2)  # the joining prompt counts
     q = req(30)
-    assert spans(s.plan([], [q])) == [(q, 0, 16)] and asked == [(1, 3)]  # nobody decodes: prefill_chunk
+    assert spans(s.plan([], [q])) == [(q, 0, 16)] and len(asked) == 2  # nobody decodes: prefill_chunk
 
 
 def test_chunk_rows_keep_the_step_within_the_stall_factor():
     """BatchEngine._chunk_rows (batch.prefill_rows 0) on a hand-made table: verify(r) = 9 + r ms at no
     context, twice the slope's worth more at 1000 keys (10 + r - 1 more). Three roots cost 12 ms:
     within 3x (36 ms), 24 prompt rows at no context (12 + 24 = 36), 8 when the chunk reads 1000 keys
-    (8 rows: 20 * (1 + 8/11) = 34.5; 16 rows: 28 * (1 + 16/19) = 51.6 > 36)."""
+    (8 rows: 20 * (1 + 8/11) = 34.5; 16 rows: 28 * (1 + 16/19) = 51.6 > 36); three prompts being
+    read: within 1 + 2 * 3 = 7x (84 ms), 72 rows (12 + 72 = 84)."""
     from types import SimpleNamespace
 
     from adaptivespec.batch.engine import PREFILL_ROWS_UNMEASURED, BatchEngine
@@ -108,12 +112,13 @@ def test_chunk_rows_keep_the_step_within_the_stall_factor():
     costs = CostTable(rows=(1, 101), verify_short=(10.0, 110.0), verify_long=(20.0, 220.0), contexts=(0, 1000),
                       per_request=0.0, draft_rows=(), draft=())
 
-    def rows(base, past=0, stall=3.0, max_rows=512, table=costs):
+    def rows(base, past=0, stall=3.0, max_rows=512, table=costs, prompts=1):
         stub = SimpleNamespace(costs=table, config=SimpleNamespace(batch=SimpleNamespace(prefill_stall=stall,
                                                                                        max_rows=max_rows)))
-        return BatchEngine._chunk_rows(stub, base, past)
+        return BatchEngine._chunk_rows(stub, base, past, prompts)
 
     assert rows(3) == 24
+    assert rows(3, prompts=3) == 72  # each further prompt being read may stall the step by as much again
     assert rows(3, past=1000) == 8
     assert rows(3, stall=1.1) == 8  # at least 8, even past the stall
     assert rows(3, stall=100.0, max_rows=40) == 40  # never beyond max_rows
@@ -501,3 +506,57 @@ def test_slab_forward_equals_the_forward_over_separate_caches(tiny):
         for layer, ref in zip(cs[n].layers, ref_cs[n].layers):
             torch.testing.assert_close(layer.keys, ref.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(layer.values, ref.values, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_slab_attention_by_sglang_kernels_equals_sdpa():
+    """Where SGLang's CPU kernels are installed (bfloat16), the slab's shared attention runs them
+    (one-row members in ``decode_attention_cpu``, trees and short chunks in ``extend_attention_cpu``
+    padded to the widest): the same outputs and slab contents as the folded SDPA call, for one-row
+    parts, trees (additive and bool masks) and a causal chunk at different pasts, an idle slot between."""
+    from types import SimpleNamespace
+
+    from adaptivespec.fastpath.batched import KVSlab, SlabStep
+    from adaptivespec.fastpath.prepack import sgl_ops
+
+    sgl = sgl_ops()
+    if sgl is None or not hasattr(sgl, "extend_attention_cpu"):
+        pytest.skip("SGLang's CPU kernels are not installed here (scripts/install_sglang_cpu.sh)")
+    heads, kv_heads, D, cap = 8, 2, 64, 160
+    cfg = SimpleNamespace(num_key_value_heads=kv_heads, head_dim=D, hidden_size=heads * D, num_attention_heads=heads,
+                          num_hidden_layers=2)
+    tree = make_tree(torch.tensor([8, 30, 31, 32, 33]), torch.tensor([-1, 0, 0, 1, 2]))
+    g = torch.Generator().manual_seed(7)
+    # (slot, past, rows, mask kind); slot 4 stays idle
+    spec = [(0, 37, 1, None), (3, 120, 1, None), (1, 64, 5, "additive"), (5, 9, 5, "bool"), (2, 80, 3, "causal"),
+            (6, 0, 1, None)]
+    parts, starts, pasts, start = [], [], [], 0
+    for slot, past, rows, kind in spec:
+        mask = None
+        if kind == "additive":
+            mask = tree_mask(past, tree, torch.bfloat16)
+        elif kind == "bool":
+            mask = torch.cat([torch.ones(1, 1, rows, past, dtype=torch.bool), tree.ancestors[None, None]], -1)
+        parts.append(Part(cache=None, rows=rows, mask=mask, slot=slot))
+        starts.append(start), pasts.append(past)
+        start += rows
+    R = start + 3  # padded rows at the end
+    q = torch.randn(R, heads, D, generator=g).bfloat16()
+    k = torch.randn(R, kv_heads, D, generator=g).bfloat16()
+    v = torch.randn(R, kv_heads, D, generator=g).bfloat16()
+    outs, slabs = [], []
+    for use in (sgl, None):
+        torch.manual_seed(1)
+        slab = KVSlab(cfg, 7, cap, torch.bfloat16, "cpu")
+        for t in (*slab.k, *slab.v):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).bfloat16())
+        step = SlabStep(slab, parts, starts, pasts, heads, torch.bfloat16, "cpu", use)
+        assert (step.kernels is not None) == (use is not None)
+        attn = torch.zeros(R, heads * D, dtype=torch.bfloat16)
+        for i in range(2):
+            step.attend(i, q, k, v, attn, None)
+        outs.append(attn), slabs.append(slab)
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2)
+    assert outs[0][start:].abs().sum() == 0  # padded rows untouched
+    for a, b in zip((*slabs[0].k, *slabs[0].v), (*slabs[1].k, *slabs[1].v)):
+        assert torch.equal(a, b)  # every member's keys and values written where SDPA's path writes them

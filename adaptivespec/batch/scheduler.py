@@ -3,8 +3,9 @@
 Budgets are plain counters (vLLM V1's): the step's rows go first to the decoding requests' root
 rows, then to prompt chunks in arrival order. While others decode, prompt rows are capped per
 step (``batch.prefill_rows``, by default sized from the measured costs so that the step stays
-within ``batch.prefill_stall`` times its cost: a long prompt is read over several steps, and the
-others' next tokens are not held up behind it); with nobody decoding, up to
+within ``batch.prefill_stall`` times its cost, that much again for every further prompt being
+read: a long prompt is read over several steps, and the others' next tokens are not held up
+behind it); with nobody decoding, up to
 ``runtime.prefill_chunk`` rows per prompt. The verify trees' draft rows are the row budget's business (:mod:`adaptivespec.batch.budget`),
 after drafting.
 """
@@ -58,13 +59,13 @@ class StepPlan:
 class Scheduler:
     """Joins, leaves and prompt chunks of each step (see the module's text)."""
 
-    def __init__(self, slots: int, *, prefill_rows: int | Callable[[int], int], prefill_chunk: int,
+    def __init__(self, slots: int, *, prefill_rows: int | Callable[[int, int, int], int], prefill_chunk: int,
                  max_rows: int) -> None:
         """``prefill_rows``: prompt rows per step while others decode, or a function of the rows the
-        step runs without them (the decoders' roots) and the first waiting prompt's tokens already
-        read that says how many."""
+        step runs without them (the decoders' roots), the first waiting prompt's tokens already
+        read and the number of requests reading prompts that says how many."""
         self.slots, self.max_rows = slots, max_rows
-        self.prefill_rows = prefill_rows if callable(prefill_rows) else (lambda base, past, rows=prefill_rows: rows)
+        self.prefill_rows = prefill_rows if callable(prefill_rows) else (lambda base, past, prompts, rows=prefill_rows: rows)
         self.prefill_chunk = prefill_chunk or max_rows
 
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
@@ -76,7 +77,7 @@ class Scheduler:
         decoders = [r for r in staying if r.status is Status.DECODE]
         prefilling = [r for r in staying if r.status is Status.PREFILL] + joins
         first = prefilling[0].prefilled if prefilling else 0
-        room = min(self.prefill_rows(len(decoders), first) if decoders else self.max_rows, self.max_rows - len(decoders))
+        room = min(self.prefill_rows(len(decoders), first, len(prefilling)) if decoders else self.max_rows, self.max_rows - len(decoders))
         chunks = []
         for r in prefilling:
             start = r.prefilled

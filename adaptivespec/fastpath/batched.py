@@ -79,6 +79,14 @@ class KVSlab:
         self.slots, self.capacity = slots, capacity
         self.k = [torch.zeros(slots, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(slots, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        # the same memory as SGLang's token pools ``[tokens, H_kv, D]`` (strided views, no copy): token
+        # ``t`` of slot ``s`` is ``s * H_kv * capacity + t``, its head ``h`` ``capacity * D`` further on
+        n = slots * heads * capacity - (heads - 1) * capacity
+        self.k_tokens = [t.as_strided((n, heads, head_dim), (head_dim, capacity * head_dim, 1)) for t in self.k]
+        self.v_tokens = [t.as_strided((n, heads, head_dim), (head_dim, capacity * head_dim, 1)) for t in self.v]
+        self.token_of = (torch.arange(slots, device=device)[:, None] * heads * capacity
+                         + torch.arange(capacity, device=device)[None]).to(torch.int32)
+        """``[slots, capacity]``: each slot's positions in the token views (SGLang's ``req_to_token``)."""
 
     def bind(self, slot: int, cache) -> None:
         """Make ``cache``'s layers (:class:`~adaptivespec.fastpath.kvcache.BufferedLayer`) views of ``slot``."""
@@ -112,10 +120,14 @@ class SlabStep:
     idle rows see key 0 alone (so no row is all masked)."""
 
     def __init__(self, slab: KVSlab, parts: Sequence[Part], starts: Sequence[int], pasts: Sequence[int],
-                 heads: int, dtype: torch.dtype, device) -> None:
+                 heads: int, dtype: torch.dtype, device, sgl=None) -> None:
         self.slab = slab
         self.members = [j for j, p in enumerate(parts) if p.slot is not None and p.rows <= SLAB_MAX_ROWS]
+        self.kernels = None
         if not self.members:
+            return
+        if sgl is not None and dtype in (torch.bfloat16, torch.float16) and hasattr(sgl, "decode_attention_cpu"):
+            self.kernels = SlabKernels(sgl, slab, parts, starts, pasts, self.members, heads, device)
             return
         r_max = max(parts[j].rows for j in self.members)
         S = max(pasts[j] + parts[j].rows for j in self.members)
@@ -156,6 +168,8 @@ class SlabStep:
                scale: float | None) -> None:
         """Layer ``i``: write the members' keys and values into the slab, attend, and put their
         outputs into ``attn`` [R, H_q * D]. ``q`` / ``k`` / ``v``: [R, heads, D]."""
+        if self.kernels is not None:
+            return self.kernels.attend(i, q, k, v, attn, scale)
         K, V = self.slab.k[i], self.slab.v[i]
         K[self.slots, :, self.positions] = k[self.rows]
         V[self.slots, :, self.positions] = v[self.rows]
@@ -170,6 +184,88 @@ class SlabStep:
                                              scale=scale)
         out = out.view(n, H, r, D).transpose(1, 2).reshape(n * r, H * D)  # [slots * r_max, H * D]
         attn[self.rows] = out[self.flat]
+
+
+class SlabKernels:
+    """:class:`SlabStep`'s attention by SGLang's CPU attention kernels (``sgl_kernel``, bfloat16 or
+    float16), each member over its own keys only (no padding to the longest member, no idle slots):
+    one-row members (plain decoding, a tree cut to its root) in one ``decode_attention_cpu`` call
+    (which also writes their keys and values into the slab), the others (trees, short chunks) in one
+    ``extend_attention_cpu`` call with a tree mask, every member's rows padded to the widest
+    member's ``M`` (the kernel wants uniform lengths with a mask; a padded row sees itself alone and
+    no real row sees it). On a 2-vCPU EPYC, 8 one-row members over 700 keys: 151 us per layer
+    against 478 us for the folded SDPA call.
+
+    Worked example: members A (slot 2, 1 row, past 5), B (slot 0, a 3-node tree, past 4), C (slot 1,
+    2-row chunk, past 9), packed rows [A0, B0, B1, B2, C0, C1]: decode rows ``[0]`` at token
+    ``token_of[2, 5]``, seq len 6; extend rows ``[1, 2, 3, 4, 5, 4]`` (M = 3, C padded with its
+    first row), seq lens ``[4 + 3, 9 + 3]``, masks B's tree and C's causal 2 x 2 plus the pad's
+    diagonal."""
+
+    SPLITS = 8
+    """Key splits of the decode kernel (its ``attn_logits`` scratch)."""
+
+    def __init__(self, sgl, slab: KVSlab, parts, starts, pasts, members, heads: int, device) -> None:
+        self.sgl, self.slab = sgl, slab
+        ones = [j for j in members if parts[j].rows == 1]
+        many = [j for j in members if parts[j].rows > 1]
+        D = slab.k[0].shape[-1]
+        self.heads, self.D = heads, D
+        long = dict(dtype=torch.long, device=device)
+        self.one_rows = torch.tensor([starts[j] for j in ones], **long)
+        self.one_slots = torch.tensor([parts[j].slot for j in ones], **long)
+        self.one_seq = torch.tensor([pasts[j] + 1 for j in ones], **long)
+        self.one_loc = self.slab.token_of[self.one_slots, torch.tensor([pasts[j] for j in ones], **long)].long()
+        self.logits = torch.empty(len(ones), heads, self.SPLITS, D + 1, dtype=torch.float32, device=device)
+        self.many = bool(many)
+        if not many:
+            return
+        M = max(parts[j].rows for j in many)
+        n = len(many)
+        index = torch.empty(n, M, **long)
+        vis = torch.eye(M, dtype=torch.bool, device=device).repeat(n, 1, 1)  # a padded row sees itself
+        rows, slots, positions, flat = [], [], [], []
+        for b, j in enumerate(many):
+            p, s0, past = parts[j], starts[j], pasts[j]
+            r = p.rows
+            index[b] = s0
+            index[b, :r] = torch.arange(s0, s0 + r, device=device)
+            if p.mask is not None:
+                own = p.mask[0, 0, :, past: past + r]
+                vis[b, :r, :r] = own if own.dtype == torch.bool else own == 0
+            else:
+                vis[b, :r, :r] = torch.ones(r, r, dtype=torch.bool, device=device).tril()
+            rows.append(torch.arange(s0, s0 + r, device=device))
+            slots.append(torch.full((r,), p.slot, **long))
+            positions.append(torch.arange(past, past + r, device=device))
+            flat.append(b * M + torch.arange(r, device=device))
+        self.M, self.index, self.mask = M, index.flatten(), vis.flatten()
+        self.rows, self.slots, self.positions = torch.cat(rows), torch.cat(slots), torch.cat(positions)
+        self.flat = torch.cat(flat)
+        self.m_slots = torch.tensor([parts[j].slot for j in many], **long)
+        self.m_seq = torch.tensor([pasts[j] + M for j in many], **long)
+        self.m_ext = torch.full((n,), M, dtype=torch.int32, device=device)
+        self.m_start = torch.arange(0, n * M, M, dtype=torch.int32, device=device)
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor,
+               scale: float | None) -> None:
+        slab, sgl = self.slab, self.sgl
+        scale = self.D ** -0.5 if scale is None else scale
+        K, V = slab.k_tokens[i], slab.v_tokens[i]
+        if self.one_rows.numel():
+            r = self.one_rows
+            out = q.new_empty(r.shape[0], self.heads, self.D)
+            sgl.decode_attention_cpu(q[r], K, V, out, k[r], v[r], self.one_loc, self.logits, slab.token_of,
+                                     self.one_slots, self.one_seq, scale, 0.0, False, 0, None, None)
+            attn[r] = out.view(r.shape[0], -1)
+        if self.many:
+            slab.k[i][self.slots, :, self.positions] = k[self.rows]  # the kernel reads new keys from its inputs
+            slab.v[i][self.slots, :, self.positions] = v[self.rows]  # and the past from the slab: keep both
+            x = self.index
+            out = q.new_empty(x.shape[0], self.heads, self.D)
+            sgl.extend_attention_cpu(q[x], k[x], v[x], out, K, V, slab.token_of, self.m_slots, self.m_seq,
+                                     self.m_ext, self.m_start, self.M, scale, 0.0, False, 0, None, None, self.mask)
+            attn[self.rows] = out[self.flat].view(self.rows.shape[0], -1)
 
 
 class ModuleLayers:
@@ -252,7 +348,8 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
         starts.append(start)
         pasts.append(p.cache.get_seq_length())
         start += p.rows
-    shared = SlabStep(slab, parts, starts, pasts, pieces.heads, h.dtype, ids.device) if slab is not None else None
+    shared = (SlabStep(slab, parts, starts, pasts, pieces.heads, h.dtype, ids.device, getattr(pieces, "sgl", None))
+              if slab is not None else None)
     alone = [j for j in range(len(parts)) if shared is None or j not in shared.members]
     plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device) for j in alone}
     states = [pieces.keep(h)] if hidden else None
