@@ -31,7 +31,7 @@ import logging
 import math
 import platform
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -164,10 +164,45 @@ def warn_if_fitted_elsewhere(policy_name: str, origins: Sequence[ProfileOrigin],
     line = (f"policy {policy_name}: {'; '.join(parts)}: its choices are priced for that setup (still lossless); "
             f"measure this one with `adaptivespec calibrate --config CONFIG --target {target}{head} --out profile.json "
             f"--prior-out prior.json` and set {' / '.join(dict.fromkeys(fixes))} to what it writes")
+    _say_once(line)
+    return line
+
+
+def _say_once(line: str) -> None:
     if line not in _warned:
         _warned.add(line)
         log.warning("adaptivespec: %s", line)
-    return line
+
+
+COST_SOURCES = ("auto", "measured", "profile")
+"""Values of ``policy.costs``: what a cost-pricing policy prices steps with."""
+MEASURED_SOURCE = "measured batch cost table"
+"""``meta["source"]`` of a cost model made from a measured table (:meth:`CostModel.from_table`)."""
+
+
+def measured_costs(policy_name: str, mode: str, origin: ProfileOrigin, measure: Callable[[], Any], device: str, *,
+                   topk: int, rows: int, context_ref: float = 256.0) -> "CostModel | None":
+    """The cost model of this machine's measured cost table when ``policy.costs`` (``mode``) asks
+    for it, else None (price with the fitted file ``origin``).
+
+    ``profile``: None. ``measured``: the table's model (:meth:`CostModel.from_table`). ``auto``:
+    the table's model when the file was fitted on another CPU than this one (``origin.cpu``, on a
+    ``cpu`` device), else None. ``measure()`` returns the table or None (a runtime that cannot
+    measure one: the file is kept, said once); the switch away from the file is said once too."""
+    stale = device.split(":")[0] == "cpu" and origin.cpu is not None and origin.cpu != cpu_name()
+    if mode == "profile" or (mode == "auto" and not stale):
+        return None
+    table = measure()
+    name = Path(origin.path).name
+    if table is None:
+        _say_once(f"policy {policy_name}: costs: {mode}: this runtime measures no cost table; "
+                  f"pricing steps with {origin.key} ({name})")
+        return None
+    if mode == "auto":
+        _say_once(f"policy {policy_name}: {origin.key} ({name}) was fitted on CPU {origin.cpu!r} (running {cpu_name()!r}): "
+                  f"pricing steps with this machine's measured cost table instead (policy.costs: auto; "
+                  f"policy.costs: profile keeps the file)")
+    return CostModel.from_table(table, topk=topk, rows=rows, context_ref=context_ref)
 
 
 # -- cost model ------------------------------------------------------------------------------------
@@ -244,6 +279,44 @@ class CostModel:
         if pinned is not None:
             meta["fit"]["fixed_pinned_ms"] = pinned  # the free fit put the intercept at or below 0
         return cls(**dict(zip(COST_TERMS, coef)), context_ref=float(X[:, 0].median()), meta=meta)
+
+    @classmethod
+    def from_table(cls, table: Any, *, topk: int, rows: int = 64, context_ref: float = 256.0) -> "CostModel":
+        """The single-request model of a measured cost table (:class:`~adaptivespec.fastpath.costs.CostTable`,
+        read duck-typed: ``verify(rows, context)``, ``contexts``, ``draft_level(rows)``, ``draft_rows``,
+        ``machine``), measured on the machine that runs.
+
+        The verify forward is taken as the line through ``rows`` = 1 and ``rows`` at each of the
+        table's two contexts (the rows a single request's tree uses), and the context terms from
+        how that line moves between them, so ``step_ms(n, context=P)`` is the table's
+        ``verify(n, P)`` at ``n`` = 1 and ``rows`` for every ``P``, plus one draft-head forward of
+        one row (the root's, which every step runs: in ``fixed`` as in a calibrated profile). A draft
+        level forwards the beam, ``topk`` rows: ``per_draft_level + topk * per_draft_node`` is
+        ``draft_level(topk)``, ``per_draft_node`` the slope from 1 row to ``topk``. A term the table
+        makes negative is 0, ``fixed`` at least 1 % of the one-row verify. ``context_ref``: the
+        context assumed where a caller gives none."""
+        R = max(2, int(rows))
+        c0, c1 = (float(c) for c in table.contexts)
+        one = [float(table.verify(1, c)) for c in (c0, c1)]
+        top = [float(table.verify(R, c)) for c in (c0, c1)]
+        slope = [(t - o) / (R - 1) for o, t in zip(one, top)]  # ms per verified row, per context
+        at0 = [o - s for o, s in zip(one, slope)]  # the line at 0 rows
+        span = c1 - c0
+        token_ctx = (slope[1] - slope[0]) / span
+        ctx = (at0[1] - at0[0]) / span
+        draft = bool(getattr(table, "draft_rows", ())) and topk >= 1
+        d1 = float(table.draft_level(1)) if draft else 0.0
+        dk = float(table.draft_level(topk)) if draft else 0.0
+        node = (dk - d1) / (topk - 1) if draft and topk > 1 else 0.0
+        terms = {"fixed": at0[0] - c0 * ctx + d1, "per_context": ctx, "per_draft_level": dk - topk * node,
+                 "per_draft_node": node, "per_verified_token": slope[0] - c0 * token_ctx,
+                 "per_verified_token_context": token_ctx}
+        terms = {k: max(v, 0.0) for k, v in terms.items()}
+        terms["fixed"] = max(terms["fixed"], 0.01 * one[0])
+        machine = dict(getattr(table, "machine", None) or {})
+        meta = {"source": MEASURED_SOURCE, "machine": machine, "model": {"target": machine.get("target")},
+                "table": {"contexts": [c0, c1], "rows": R, "topk": topk}}
+        return cls(**terms, context_ref=float(context_ref), meta=meta)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": 1, **self.meta, "coefficients_ms": {k: getattr(self, k) for k in COST_TERMS},

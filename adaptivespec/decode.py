@@ -90,6 +90,9 @@ class Engine:
         self.target, self.tokenizer, drafter = load_models(config, host)
         self.runtime = host.runtimes.get(config.runtime.name).cls(self.target, drafter, config)
         policy = host.policies.get(config.policy.name).cls(config.policy.params)
+        bind = getattr(policy, "bind_costs", None)  # this machine's measured step costs, for a policy that prices steps
+        if bind is not None and not config.autoregressive:
+            bind(getattr(self.runtime, "cost_table", lambda: None), config.runtime.device)
         fitted = getattr(policy, "fitted_on", None)  # files fitted on another target or CPU: said once
         if fitted is not None and not config.autoregressive:
             warn_if_fitted_elsewhere(config.policy.name, fitted(), target=config.model.target,

@@ -14,6 +14,8 @@ State between steps (``P`` = tokens the target has processed)::
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import adaptivespec
@@ -52,6 +54,12 @@ cache entries dropped; causal attention keeps them out of the real rows). The ma
 per-shape state for every row count they meet: a server fed prompts of every length grew ~0.5 MiB
 per new length (bf16, sgl_kernel; ~6 MiB with oneDNN's matmuls) without bound; this bounds the
 prefill's row counts to ``prefill_chunk / 32`` shapes."""
+
+
+_COST_TABLES: dict[tuple, object] = {}
+"""Measured cost tables of this process (:meth:`TorchRuntime.cost_table`), by target, dtype, device,
+threads and head: one per engine would read (or measure) the same table again."""
+log = logging.getLogger("adaptivespec.costs")
 
 
 class TorchRuntime:
@@ -93,6 +101,27 @@ class TorchRuntime:
         runtime = getattr(config, "runtime", None)
         self.prefill_chunk = getattr(runtime, "prefill_chunk", 0) or 0
         """Prompt tokens per prefill forward (0: the whole prompt at once)."""
+        self._names = (getattr(getattr(config, "model", None), "target", None), getattr(runtime, "dtype", None))
+
+    def cost_table(self):
+        """This machine's measured step costs for the target (and head) at the runtime's dtype, or
+        None where none can be measured (no config, a target the packed forward cannot run; said
+        once): the batch engine's :class:`~adaptivespec.fastpath.costs.CostTable`, read from its
+        cache or measured (~30 s) and cached (:func:`~adaptivespec.fastpath.costs.load_or_measure`)."""
+        target_name, dtype_name = self._names
+        if target_name is None or dtype_name is None:
+            return None
+        key = (target_name, dtype_name, str(self.device), torch.get_num_threads(), self.drafter is not None)
+        if key not in _COST_TABLES:
+            from adaptivespec.fastpath.costs import load_or_measure  # the packed forwards: only when asked
+
+            try:
+                _COST_TABLES[key] = load_or_measure(self.target, self.drafter, target_name, dtype_name, self.dtype,
+                                                    self.device, log=lambda m: log.warning("adaptivespec: %s", m))
+            except Exception as exc:  # noqa: BLE001 - any failure to measure leaves the policy on its profile
+                log.warning("adaptivespec: no measured cost table for %s (%s: %s)", target_name, type(exc).__name__, exc)
+                _COST_TABLES[key] = None
+        return _COST_TABLES[key]
 
     def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0) -> ShapeBank:
         """Build the shape bank: one executor per shape the policy may choose, before decoding.

@@ -75,6 +75,14 @@ class TreePolicy(FusionRules):
         where they differ. Default: none."""
         return []
 
+    def bind_costs(self, measure: Any, device: str) -> None:
+        """Called once by the engine before :meth:`fitted_on` and the first step. ``measure()``
+        returns this machine's measured step costs for the running target, head and dtype (a
+        :class:`~adaptivespec.fastpath.costs.CostTable`: measured on first use, ~30 s, then cached)
+        or None where the runtime measures none; ``device``: ``runtime.device``. A policy that
+        prices steps with a cost model may switch to it (``policy.costs``,
+        :func:`~adaptivespec.costmodel.measured_costs`). Not called on replays. Default: ignored."""
+
     def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
         """The bank shape whose executor verifies a tree of ``n`` nodes drafted with ``shape``
         (policies with a variable verify budget return a smaller bucket); default ``shape``."""

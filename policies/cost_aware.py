@@ -5,8 +5,8 @@ Every drafted candidate gets a *value*: the calibrated probability that strict v
 it, read from a :class:`~adaptivespec.costmodel.CalibrationMap` at its depth and cumulative draft
 log-probability (the score EAGLE-2 ranks by). Since a step emits ``1 + sum(values of the verified
 nodes)`` tokens in expectation, values add up to expected tokens, and the cost model
-(:class:`~adaptivespec.costmodel.CostModel`, a profile measured by ``adaptivespec calibrate``) turns
-every decision into tokens per millisecond:
+(:class:`~adaptivespec.costmodel.CostModel`, a profile measured by ``adaptivespec calibrate``, or
+this machine's measured cost table: ``costs``) turns every decision into tokens per millisecond:
 
 * **level rule** (``select_level``, after each level is scored): with ``R`` the best expected
   tokens/ms of a tree cut here (:func:`~adaptivespec.costmodel.rank_by_value` over the pool so
@@ -59,14 +59,17 @@ import torch
 
 import adaptivespec
 from adaptivespec.api import (
-    DraftTree, StepRecord, StepSignals, TreePolicy, TreeShape, VerifyResult, as_tuple, int_at_least, number_in,
+    DraftTree, StepRecord, StepSignals, TreePolicy, TreeShape, VerifyResult, as_tuple, int_at_least, number_in, one_of,
 )
 from adaptivespec.costmodel import (
+    COST_SOURCES,
     DEFAULT_COST_PROFILE,
     DEFAULT_PRIOR,
+    MEASURED_SOURCE,
     CalibrationMap,
     CostModel,
     ProfileOrigin,
+    measured_costs,
     rank_by_value,
     resolve_profile,
 )
@@ -106,6 +109,10 @@ class CostAwareParams:
     as the CUDA-graph runtime does; on the eager runtime every verified token costs)."""
     profile: str | None = attrs.field(default=None, validator=_file(DEFAULT_COST_PROFILE))
     """Cost profile (``adaptivespec calibrate``); null: the shipped CPU profile of the embedded model."""
+    costs: str = attrs.field(default="auto", validator=one_of(*COST_SOURCES))
+    """What steps are priced with: ``profile`` (the file), ``measured`` (this machine's cost table,
+    as the batch engine measures it: ~30 s once, cached; the file where the runtime measures none)
+    or ``auto`` (measured where the profile was fitted on another CPU, else the file)."""
     prior: str | None = attrs.field(default=None, validator=_file(DEFAULT_PRIOR))
     """Calibration prior (``adaptivespec calibrate --prior-out``); null: the shipped one."""
     prior_weight: float = attrs.field(default=8.0, validator=number_in(0, None, lo_open=True))
@@ -179,8 +186,18 @@ class CostAwarePolicy(TreePolicy):
         return (self.shape, *(s for b, s in self._bucket_shapes.items() if s != self.shape))
 
     def fitted_on(self) -> list[ProfileOrigin]:
-        """The cost profile (timings: target, head and CPU matter) and the calibration prior (acceptance)."""
-        return [ProfileOrigin.read(key, path, timed=key == "policy.profile") for key, path in self._files.items()]
+        """The cost profile (timings: target, head and CPU matter; left out once measured costs replace
+        it) and the calibration prior or path calibration (acceptance)."""
+        return [ProfileOrigin.read(key, path, timed=key == "policy.profile") for key, path in self._files.items()
+                if not (key == "policy.profile" and self.cost.meta.get("source") == MEASURED_SOURCE)]
+
+    def bind_costs(self, measure, device: str) -> None:
+        """Price steps with this machine's measured cost table where ``costs`` asks for it."""
+        origin = ProfileOrigin.read("policy.profile", self._files["policy.profile"], timed=True)
+        cost = measured_costs(self.name, self.params.costs, origin, measure, device, topk=self.params.topk,
+                              rows=self.buckets[-1], context_ref=self.cost.context_ref)
+        if cost is not None:
+            self.cost = cost
 
     def reset(self) -> None:
         """New prompt: the breaker state; what is learnt (map, continuation) carries over."""

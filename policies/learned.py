@@ -23,8 +23,10 @@ from typing import Any
 import attrs
 
 import adaptivespec
-from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, int_at_least, number_in
-from adaptivespec.costmodel import CostModel, ProfileOrigin, resolve_profile
+from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, int_at_least, number_in, one_of
+from adaptivespec.costmodel import (
+    COST_SOURCES, MEASURED_SOURCE, CostModel, ProfileOrigin, measured_costs, resolve_profile,
+)
 from adaptivespec.learned_model import ShapeModel, basis
 
 LEARNED, STATIC = 0, 1
@@ -51,6 +53,10 @@ class LearnedParams:
     """Fitted file (``adaptivespec train-policy``): a path or a shipped name; null: the embedded pair's."""
     profile: str | None = attrs.field(default=None, validator=_optional_str)
     """Cost profile (``adaptivespec calibrate``) replacing the fitted file's cost model; null: keep it."""
+    costs: str = attrs.field(default="auto", validator=one_of(*COST_SOURCES))
+    """What shapes are priced with: ``profile`` (``profile``, else the fitted file's cost model),
+    ``measured`` (this machine's cost table, as ``cost_aware``'s) or ``auto`` (measured where that
+    cost model was fitted on another CPU)."""
     static: tuple[int, int, int] | None = attrs.field(default=None, validator=_optional_shape,
                                                        converter=lambda v: tuple(v) if isinstance(v, list) else v)
     """The hedge's static shape ``[nsteps, topk, ndt]``; null: the fitted file's (the best static on its data)."""
@@ -94,10 +100,20 @@ class LearnedPolicy(TreePolicy):
     def fitted_on(self) -> list[ProfileOrigin]:
         """The fitted model (its shape choice, and its cost model unless ``profile`` replaces it) and the
         ``profile`` when given."""
-        origins = [ProfileOrigin.read("policy.model", self.model.source, timed=self._profile is None)]
-        if self._profile is not None:
+        measured = self.model.cost.meta.get("source") == MEASURED_SOURCE  # then no file prices the shapes
+        origins = [ProfileOrigin.read("policy.model", self.model.source, timed=self._profile is None and not measured)]
+        if self._profile is not None and not measured:
             origins.append(ProfileOrigin.read("policy.profile", self._profile, timed=True))
         return origins
+
+    def bind_costs(self, measure, device: str) -> None:
+        """Price the shapes with this machine's measured cost table where ``costs`` asks for it."""
+        key, path = ("policy.profile", self._profile) if self._profile else ("policy.model", self.model.source)
+        rows = max(s.ndt for s in self._shapes) + self.model.extra_slots  # the most a step verifies
+        cost = measured_costs(self.name, self.params.costs, ProfileOrigin.read(key, path, timed=True), measure, device,
+                              topk=max(s.topk for s in self._shapes), rows=rows, context_ref=self.model.cost.context_ref)
+        if cost is not None:
+            self.model.set_cost(cost)
 
     def reset(self) -> None:
         self._ema = self.model.ema_init

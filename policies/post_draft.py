@@ -1,8 +1,8 @@
 """Policy ``post_draft``: draft a generous tree, then verify the ancestor-closed set of drafted (and
 retrieved) nodes that maximises expected tokens per modelled millisecond.
 
-It is ``cost_aware`` (same cost model, same budget rule, same bank buckets and circuit breaker)
-with three changes, each aimed at why ``cost_aware`` stays near ``eagle3.yaml`` (docs/post-draft.md):
+It is ``cost_aware`` (same cost model and ``costs`` choice, same budget rule, same bank buckets and
+circuit breaker) with three changes, each aimed at why ``cost_aware`` stays near ``eagle3.yaml`` (docs/post-draft.md):
 
 * **values fitted offline, per depth and per proposer** (:class:`~adaptivespec.costmodel.PathCalibration`,
   ``adaptivespec fit-post-draft`` on training prompts): a drafted node's acceptance is a logistic
@@ -36,8 +36,11 @@ import numpy as np
 import torch
 
 import adaptivespec
-from adaptivespec.api import CandidateTrie, DraftTree, TreePolicy, TreeShape, VerifyResult, as_tuple, int_at_least
+from adaptivespec.api import (
+    CandidateTrie, DraftTree, TreePolicy, TreeShape, VerifyResult, as_tuple, int_at_least, one_of,
+)
 from adaptivespec.costmodel import (
+    COST_SOURCES,
     DEFAULT_COST_PROFILE,
     DEFAULT_PATH_CALIBRATION,
     CostModel,
@@ -62,6 +65,8 @@ class PostDraftParams:
     """Verify the next-best nodes up to the bucket's ndt (free only where the runtime pads to the bucket)."""
     profile: str | None = attrs.field(default=None, validator=_file(DEFAULT_COST_PROFILE))
     """Cost profile (``adaptivespec calibrate``); null: the shipped CPU profile of the embedded model."""
+    costs: str = attrs.field(default="auto", validator=one_of(*COST_SOURCES))
+    """What steps are priced with: ``profile``, ``measured`` or ``auto`` (as ``cost_aware``'s)."""
     calibration: str | None = attrs.field(default=None, validator=_file(DEFAULT_PATH_CALIBRATION))
     """Path calibration (``adaptivespec fit-post-draft``); null: the shipped one of the embedded pair."""
     branch: bool = True

@@ -9,6 +9,8 @@ without changing what it computes.
 * :mod:`~adaptivespec.fastpath.bank`: the shape bank, one executor per selectable tree shape;
 * :mod:`~adaptivespec.fastpath.cuda_graphs`: CUDA graphs applied from outside (the
   ``torch-cuda-graphs`` runtime).
+* :mod:`~adaptivespec.fastpath.costs`: the measured cost table of this machine's forwards (the
+  batch engine's row budget and the cost-pricing policies' ``costs: measured``).
 
 Nothing here is imported by this package's ``__init__``: each module is loaded by what uses it.
 """
