@@ -318,6 +318,8 @@ class BatchEngine:
         rt.logits_processor = constraint.mask_next if constraint is not None else None
         e.proposer.reset(r.prompt, constraint)
         e._stops = e.eos_ids | r.stop_ids
+        if self.budget is not None:
+            self.budget.joined()
         with self._bound(lane):
             rt.reserve(len(r.prompt) + r.max_new_tokens)  # fits the reserved caches: nothing allocated
         rt.cache = empty(rt.cache)
@@ -481,7 +483,8 @@ class BatchEngine:
         m = read.shape[0]
         if m:
             read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
-        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self.drafter is not None,
+        wanted = [i + 1 for i in self.drafter.aux_layers] if self.drafter is not None else False
+        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=wanted,
                                         slab=self.slab)
         for it in items:
             if it.tree.size > 1:
@@ -518,9 +521,12 @@ class BatchEngine:
             s, t = it.rows
             tree = it.tree
             rows = logits[it.logit:it.logit + tree.size]
-            if e.constraint is not None:
-                e.constraint.mask_tree(tree, rows)
-            result = e.verifier.verify(tree, rows)
+            if it.proposal is None:  # a plain row: picked as Engine.ar_step picks (the same draws for a seed)
+                result = VerifyResult(path=[0], tokens=[int(rt._pick(rows[0]))])
+            else:
+                if e.constraint is not None:
+                    e.constraint.mask_tree(tree, rows)
+                result = e.verifier.verify(tree, rows)
             n_before = len(r.out)
             it.context = rt.P
             done = e._take(r.out, result.tokens, r.max_new_tokens, r.on_tokens)

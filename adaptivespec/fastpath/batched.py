@@ -27,7 +27,7 @@ the batch engine's float32 output can be checked token for token against greedy 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Collection, Sequence
 
 import attrs
 import torch
@@ -330,14 +330,15 @@ def layer_pieces(model):
 
 @torch.inference_mode()
 def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Sequence[Part],
-                   logit_rows: torch.Tensor, hidden: bool = False, slab: KVSlab | None = None):
+                   logit_rows: torch.Tensor, hidden: bool | Collection[int] = False, slab: KVSlab | None = None):
     """One target forward over every part's rows (``ids`` / ``positions`` [R], the parts' rows in
     order, then padding). Each part's new keys and values are appended to its cache. With ``slab``
     the short parts in it attend together (:class:`SlabStep`), the others one by one.
 
     Returns (logits [len(logit_rows), V] of the rows ``logit_rows``, hidden states or None): with
     ``hidden``, transformers' ``hidden_states`` layout over all R rows (embeddings, each layer's
-    output, the last one normed), each ``[1, R, H]``.
+    output, the last one normed), each ``[1, R, H]``; ``hidden`` a collection of indices into that
+    layout: those kept, None in the other places (an EAGLE-3 head reads three).
     """
     R = ids.shape[0]
     h = pieces.embed_rows(ids)  # [R, H]
@@ -352,7 +353,14 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
               if slab is not None else None)
     alone = [j for j in range(len(parts)) if shared is None or j not in shared.members]
     plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device) for j in alone}
-    states = [pieces.keep(h)] if hidden else None
+    wanted = None if hidden is True or hidden is False else frozenset(hidden)
+    if wanted is not None and not wanted:
+        hidden = False
+
+    def kept(index: int, state: torch.Tensor):
+        return pieces.keep(state) if wanted is None or index in wanted else None
+
+    states = [kept(0, h)] if hidden else None
     attn = h.new_zeros(R, pieces.q_size)  # padded rows keep 0
     for i, L in enumerate(pieces.layers):
         q, k, v = pieces.project(L, h, cos, sin)  # [R, heads, D]
@@ -367,7 +375,7 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
             attn[s:e] = out[0].transpose(0, 1).reshape(e - s, pieces.q_size)
         h = pieces.finish(L, h, attn)
         if states is not None and i + 1 < len(pieces.layers):
-            states.append(pieces.keep(h))
+            states.append(kept(i + 1, h))
     if shared is not None:  # the slab's members were written past their caches' ends: move the ends
         for j in shared.members:
             for layer in parts[j].cache.layers:
@@ -377,7 +385,7 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
     if states is not None:
         states.append(h)
     logits = pieces.logits(h[logit_rows]) if logit_rows.numel() else h.new_zeros(0, 0)
-    return logits, (tuple(t.unsqueeze(0) for t in states) if states is not None else None)
+    return logits, (tuple(t.unsqueeze(0) if t is not None else None for t in states) if states is not None else None)
 
 
 # -- the draft head ----------------------------------------------------------------------------------

@@ -42,9 +42,29 @@ class BufferedLayer(DynamicLayer):
         self.is_initialized = True
         self._view()
 
+    # ``keys`` / ``values``: views of the filled prefix, made when read (the batch engine moves the
+    # ends of 8 requests x 30 layers every step and reads none of them: 1.3 ms a step on a 2-vCPU EPYC
+    # went into views made eagerly); what transformers' own code assigns is kept while no buffer is
+    @property
+    def keys(self):
+        k = getattr(self, "_k", None)
+        return k[:, :, : self.length] if k is not None else self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.__dict__["_keys"] = value
+
+    @property
+    def values(self):
+        v = getattr(self, "_v", None)
+        return v[:, :, : self.length] if v is not None else self.__dict__.get("_values")
+
+    @values.setter
+    def values(self, value) -> None:
+        self.__dict__["_values"] = value
+
     def _view(self) -> None:
-        self.keys = self._k[:, :, : self.length]
-        self.values = self._v[:, :, : self.length]
+        """Nothing to do: the views are made when read (kept for callers that moved ``length``)."""
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * self.capacity)
