@@ -250,6 +250,7 @@ def test_parallel_requests_decode_together_and_all_complete(served):
     asker.ask("a", chat_body("a"))
     assert wait_for(lambda: engine.held == 1)  # a joined alone; b and c arrive while its step is held
     asker.ask("b", chat_body("b", stream=True))
+    assert wait_for(lambda: len(service.worker._waiting) == 1)  # b first (two client threads would race)
     asker.ask("c", chat_body("c"))
     assert wait_for(lambda: len(service.worker._waiting) == 2)  # in the worker's hands, not yet the engine's
     engine.open()
@@ -685,3 +686,25 @@ def test_the_soak_refuses_parallel_with_sglang_and_takes_an_rss_limit(capsys, tm
                         rss_series=((0.0, 0, 1000.0), (1.0, 1, 1000.0), (2.0, 10, 1060.0)), rss_limit=0.05)
     assert report.counts["http_503"] == report.counts["http_5xx"] == 1
     assert "resident memory grew 6.0% (limit 5%)" in report.failures() and "http_5xx: 1" in report.failures()
+
+
+def test_a_step_hands_its_events_to_the_event_loop_in_one_call_in_order():
+    """Inside ``Outbox`` (one batch step) every job's events are held, then given to each event loop
+    in one ``call_soon_threadsafe``, in the order posted; outside it a post goes at once."""
+    from adaptivespec.server.worker import Outbox
+
+    calls = []
+    loop = types.SimpleNamespace(call_soon_threadsafe=lambda fn, *a: calls.append((fn, a)))
+    a, b = (Job(prompt_ids=[1], max_tokens=2, loop=loop) for _ in range(2))
+    with Outbox():
+        a.post("tokens", [1])
+        b.post("tokens", [2])
+        a.post("done", "x")
+        assert calls == []
+    assert len(calls) == 1
+    fn, args = calls[0]
+    fn(*args)  # what the loop runs
+    assert [a.events.get_nowait(), b.events.get_nowait(), a.events.get_nowait()] == [("tokens", [1]), ("tokens", [2]),
+                                                                                   ("done", "x")]
+    b.post("done", "y")
+    assert len(calls) == 2

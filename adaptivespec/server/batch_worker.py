@@ -14,7 +14,7 @@ import time
 
 from adaptivespec.batch import BatchEngine, Request
 from adaptivespec.batch.request import Sampling as RequestSampling
-from adaptivespec.server.worker import Finished, Job, QueueFull, Worker, log
+from adaptivespec.server.worker import Finished, Job, Outbox, QueueFull, Worker, log
 
 IDLE_TRIM_S = 1.0
 """With ``trim``, the heap is trimmed when the engine has been idle this long (not after every
@@ -102,14 +102,15 @@ class BatchWorker(Worker):
             for rid, job in self._jobs.items():
                 if job.cancelled.is_set():
                     self._requests[rid].cancel()
-            try:
-                finished = engine.step()
-            except Exception as exc:  # a bug in a step: its requests get a 500, the server goes on
-                log.exception("a batch step failed")
-                finished = engine.abort(f"generation failed: {type(exc).__name__}: {exc}")
-            self._observe_step(engine)
-            for r in finished:
-                self._answer(r)
+            with Outbox():  # the step's tokens and answers reach the event loop in one hand-over
+                try:
+                    finished = engine.step()
+                except Exception as exc:  # a bug in a step: its requests get a 500, the server goes on
+                    log.exception("a batch step failed")
+                    finished = engine.abort(f"generation failed: {type(exc).__name__}: {exc}")
+                self._observe_step(engine)
+                for r in finished:
+                    self._answer(r)
             self.metrics.queue_depth.set(self._waiting_count())
             idle_since = time.perf_counter() if not self._jobs else None
 

@@ -129,10 +129,44 @@ class Job:
         self.cancelled.set()
 
     def post(self, kind: str, payload: Any) -> None:
+        held = getattr(_OUTBOX, "events", None)
+        if held is not None:  # inside a batch step: handed over with the step's other events (Outbox)
+            held.append((self, kind, payload))
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+
+_OUTBOX = threading.local()
+
+
+class Outbox:
+    """``with Outbox():`` around a batch step: the events its jobs post (every request's tokens,
+    the answers) go to the event loop in one ``call_soon_threadsafe`` per loop when it ends, in the
+    order posted, instead of one wake-up of the loop's thread per request per step (each one takes
+    a core from the step's two threads on a 2-vCPU machine)."""
+
+    def __enter__(self) -> "Outbox":
+        _OUTBOX.events = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        events, _OUTBOX.events = _OUTBOX.events, None
+        by_loop: dict[int, tuple[Any, list]] = {}
+        for job, kind, payload in events:
+            by_loop.setdefault(id(job.loop), (job.loop, []))[1].append((job.events, (kind, payload)))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                pass
+
+
+def _deliver(items) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)
 
 
 class Worker:
