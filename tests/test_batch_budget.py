@@ -198,10 +198,11 @@ def test_goodput_rule_worked_example():
     c = choose(RowBudget(linear(1.0), max_rows=512), SCORES, DEPTHS, draft_ms=10.0)
     assert c.rows == 4 and [k.tolist() for k in c.keep] == [[0, 1, 2, 3], [0, 1]]
     assert c.step_ms == pytest.approx(25.0)
-    # rows already spent (prompt chunks) make the step dearer, so more drafted rows pay:
-    # B rows cost 49 + B; 4.2/52 = 0.0808 < 4.4/53 = 0.0830 > 4.45/54 = 0.0824
+    # rows are priced as the forward runs them, padded to the bucket: 40 rows already spent (prompt
+    # chunks) run 40 rows alone (49 ms) and 48 with any drafted row (57 ms), so every node up to the
+    # bucket's end rides along: 4.45/57 = 0.078 against 2/49 = 0.041
     c = choose(RowBudget(linear(1.0), max_rows=512), SCORES, DEPTHS, base_rows=40)
-    assert c.rows == 4 and c.step_ms == pytest.approx(53.0)
+    assert c.rows == 5 and c.step_ms == pytest.approx(57.0)
 
 
 def test_steep_rows_cut_every_tree_to_its_root_and_flat_rows_keep_everything():
@@ -283,9 +284,12 @@ def test_row_budget_observes_only_the_verified_nodes():
 
 
 # -- padded rows and subtrees ---------------------------------------------------------------------------
-@pytest.mark.parametrize("rows,padded", [(1, 8), (7, 8), (8, 8), (9, 16), (63, 64), (64, 64), (65, 96), (96, 96),
+@pytest.mark.parametrize("rows,padded", [(1, 1), (7, 7), (8, 8), (9, 16), (63, 64), (64, 64), (65, 96), (96, 96),
                                          (97, 128), (500, 512)])
 def test_padded_rows(rows, padded):
+    from adaptivespec.batch.budget import run_rows
+
+    assert run_rows(rows) == padded  # the budget prices the rows the forward runs
     assert padded_rows(rows) == padded
 
 
