@@ -14,8 +14,9 @@ tree of 4 rows, a plain row and a 3-row prefill chunk::
     positions  [P0+0, P0+1, P0+1, P0+2,  P1,  0, 1, 2]   # tree depths; the plain row; the chunk
     R          8 (rows beyond ROW_BUCKET are padded to a bucket: the padded rows run the matmuls only)
 
-Rows are padded to a multiple of :data:`ROW_BUCKET` (:func:`padded_rows`) so that the matmul
-kernels meet a bounded set of row counts (they keep per-shape state: see
+Beyond :data:`ROW_BUCKET` rows are padded to a multiple of it (:func:`padded_rows`; up to it they
+run as they are: one request's plain step is one row) so that the matmul kernels meet a bounded
+set of row counts (they keep per-shape state: see
 :data:`adaptivespec.runtime.PREFILL_ROWS_MULTIPLE`); a padded row attends nothing, writes no
 cache and is dropped from the outputs.
 
