@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from adaptivespec.cli import positive_int
+
 DEFAULT_CONFIGS = ["configs/ar.yaml", "configs/batched-hybrid.yaml", "configs/hybrid.yaml"]
 AR_CONFIG = "configs/ar.yaml"
 
@@ -28,18 +30,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
-
-
-def positive(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-        return value
-    return parse
 
 
 def bad(name: str, message: str) -> None:
@@ -80,11 +70,11 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="batch_mismatch.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("configs", nargs="*", default=DEFAULT_CONFIGS, help=f"config files (default: {' '.join(DEFAULT_CONFIGS)})")
-    ap.add_argument("--per-category", type=positive("--per-category"), default=2, help="prompts per Spec-Bench category (default 2)")
-    ap.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=128, help="tokens per request (default 128)")
-    ap.add_argument("--concurrency", type=positive("--concurrency"), default=8, help="requests in flight in the batch (default 8)")
+    ap.add_argument("--per-category", type=positive_int, default=2, help="prompts per Spec-Bench category (default 2)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per request (default 128)")
+    ap.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight in the batch (default 8)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="runtime.dtype for every config (default bfloat16)")
-    ap.add_argument("--context-length", type=positive("--context-length"), default=2048, help="BatchEngine context length (default 2048)")
+    ap.add_argument("--context-length", type=positive_int, default=2048, help="BatchEngine context length (default 2048)")
     ap.add_argument("--out", default="runs/batch-mismatch.json", help="JSON report (default runs/batch-mismatch.json)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,10 +288,8 @@ def test_row_budget_observes_only_the_verified_nodes():
 @pytest.mark.parametrize("rows,padded", [(1, 1), (7, 7), (8, 8), (9, 16), (63, 64), (64, 64), (65, 96), (96, 96),
                                          (97, 128), (500, 512)])
 def test_padded_rows(rows, padded):
-    from adaptivespec.batch.budget import run_rows
-
-    assert run_rows(rows) == padded  # the budget prices the rows the forward runs
     assert padded_rows(rows) == padded
+    assert padded_rows(np.array([rows, rows])).tolist() == [padded, padded]  # as the row budget prices them
 
 
 def test_subtree_worked_example():

@@ -40,23 +40,13 @@ import torch
 from adaptivespec.fastpath.costs import (  # noqa: F401 - re-exported: the table and its measuring live below the batch layer
     CONTEXTS, DRAFT_ROWS, ROWS, VERSION, CostTable, cost_path, cpu_name, load_or_measure, machine_key, measure,
 )
-from adaptivespec.fastpath.batched import ROW_BUCKET, ROW_BUCKET_LARGE
+from adaptivespec.fastpath.batched import padded_rows
 from adaptivespec.types import DraftTree
 
 EXPLORE_EVERY = 8
 """Plain steps in a row after which one step speculates anyway (what the head accepts changes with
 the text); doubled, up to :data:`EXPLORE_MAX`, each time such a step confirms that plain steps pay more."""
 EXPLORE_MAX = 128
-
-
-def run_rows(rows):
-    """The rows a packed forward of ``rows`` rows runs (an int, a float or an array): padded to its
-    bucket (:func:`~adaptivespec.fastpath.batched.padded_rows`: as they are to 8, multiples of 8 to 64,
-    of 32 beyond)."""
-    r = np.maximum(np.ceil(np.asarray(rows, dtype=np.float64)), 1.0)
-    step = np.where(r <= 64, ROW_BUCKET, ROW_BUCKET_LARGE)
-    out = np.where(r <= ROW_BUCKET, r, np.ceil(r / step) * step)
-    return out if out.ndim else float(out)
 
 
 # -- the budget -------------------------------------------------------------------------------------
@@ -119,8 +109,8 @@ class RowBudget:
         """(speculative, plain) tokens per ms predicted for a step of ``decoders`` decoding requests
         and ``base_rows`` rows (roots and prompt chunks)."""
         c = self.costs
-        spec_ms = c.verify(run_rows(base_rows + decoders * self.rows_per_request), context, requests) + self.overhead[True]
-        plain_ms = c.verify(run_rows(base_rows), context, requests) + self.overhead[False]
+        spec_ms = c.verify(padded_rows(base_rows + decoders * self.rows_per_request), context, requests) + self.overhead[True]
+        plain_ms = c.verify(padded_rows(base_rows), context, requests) + self.overhead[False]
         return decoders * self.tau / max(spec_ms, 1e-3), decoders / max(plain_ms, 1e-3)
 
     def speculate(self, decoders: int, base_rows: int, context: float, requests: int) -> bool:
@@ -147,7 +137,7 @@ class RowBudget:
         if not decoders:
             return
         if not prompt_rows:
-            table = float(self.costs.verify(run_rows(rows), context, requests))
+            table = float(self.costs.verify(padded_rows(rows), context, requests))
             # one step's excess is capped at the forward's price beyond the running mean: a stray pause
             # (another process, a page fault) moves the mean, it does not take it over
             over = min(seconds_ms - table, self.overhead[self.mode] + table)
@@ -187,7 +177,7 @@ class RowBudget:
         # priced at the rows the forward runs: padded to its bucket, so the rows up to the bucket's end
         # cost nothing more and the ranking fills them (priced linearly, the budget cut a tree of 16
         # rows to 9 that ran as 16: one request on a 2-vCPU EPYC took 57 steps for 128 tokens, not 48)
-        cost = self.costs.verify(run_rows(base_rows + np.arange(room + 1)), context, requests) + draft_ms
+        cost = self.costs.verify(padded_rows(base_rows + np.arange(room + 1)), context, requests) + draft_ms
         rate = gain / cost
         B = int(np.argmax(rate))  # the first maximum: fewer rows on a tie
         chosen = order[:B]

@@ -126,6 +126,8 @@ class BatchEngine:
         self.device = first.runtime.device
         self.pieces = layer_pieces(self.target)
         self.speculative = first.proposer.active
+        # the target's hidden states the draft head reads (its three layers), kept by each forward
+        self._head_states = [i + 1 for i in self.drafter.aux_layers] if self.drafter is not None else False
         for lane in self.lanes:
             lane.default_sampler = lane.engine.sampler  # the config's (None: greedy)
         bc = config.batch
@@ -483,8 +485,7 @@ class BatchEngine:
         m = read.shape[0]
         if m:
             read = torch.cat([read, read[-1:].expand(padded_rows(m) - m)])  # bounded row counts for the LM head too
-        wanted = [i + 1 for i in self.drafter.aux_layers] if self.drafter is not None else False
-        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=wanted,
+        logits, hidden = packed_forward(self.pieces, ids, pos, parts, read, hidden=self._head_states,
                                         slab=self.slab)
         for it in items:
             if it.tree.size > 1:

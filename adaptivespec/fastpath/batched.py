@@ -31,6 +31,7 @@ import contextlib
 from typing import Collection, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 import torch.nn.functional as F
@@ -43,15 +44,16 @@ ROW_BUCKET = 8
 ROW_BUCKET_LARGE = 32
 
 
-def padded_rows(rows: int) -> int:
-    """``rows`` rounded up to the bucket the packed forward runs (1 to 8 as they are, then 16, 24, ...,
-    64, 96, 128, ...). Fewer than 8 rows are not padded: at one to a few rows the matmuls read the
+def padded_rows(rows):
+    """``rows`` (an int, a float or an array of them) rounded up to the rows the packed forward runs:
+    1 to 8 as they are, then 16, 24, ..., 64, 96, 128, ... (the row budget prices rows by it, so it
+    fills the padding). Fewer than 8 rows are not padded: at one to a few rows the matmuls read the
     weights once whatever the rows, and 8 rows cost a third more than one (a 2-vCPU EPYC, bf16: 15.4
     against 11.8 ms), which every step of one or two requests paid."""
-    if rows <= ROW_BUCKET:
-        return max(rows, 1)
-    step = ROW_BUCKET if rows <= 64 else ROW_BUCKET_LARGE
-    return -(-rows // step) * step
+    r = np.maximum(np.ceil(np.asarray(rows, dtype=np.float64)), 1.0)
+    step = np.where(r <= 64, ROW_BUCKET, ROW_BUCKET_LARGE)
+    out = np.where(r <= ROW_BUCKET, r, np.ceil(r / step) * step)
+    return out if out.ndim else int(out)
 
 
 @attrs.define(eq=False, kw_only=True)
