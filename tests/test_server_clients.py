@@ -194,7 +194,8 @@ def test_an_answer_ended_by_a_stop_string_finishes_with_stop_and_counts_as_compl
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             text, reason = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
-    assert text == "ab" and reason == "stop" and service.engine.steps[-1] == 5  # ended at the next step
+    # ended at the step that found it (when the loop read "cd" before on_tokens looked) or the next one
+    assert text == "ab" and reason == "stop" and service.engine.steps[-1] in (4, 5), service.engine.steps
     metrics = service.metrics.render().decode()
     assert 'outcome="completed"} 1.0' in metrics and 'outcome="cancelled"} 0.0' in metrics, metrics
 
