@@ -217,6 +217,44 @@ def test_steep_rows_cut_every_tree_to_its_root_and_flat_rows_keep_everything():
     assert capped.rows == 2 and [k.tolist() for k in capped.keep] == [[0, 1], [0, 1]]
 
 
+def speculating(tau: float, base_rows: int, decoders: int = 4, **kw) -> RowBudget:
+    """A budget over verify(r) = 10 + (r - 1) ms that expects ``tau`` tokens per request from a
+    speculative step of 2 draft rows per request, 4 ms dearer in overhead; asked about one step."""
+    b = RowBudget(linear(1.0), max_rows=512)
+    b.tau, b.rows_per_request, b.overhead = tau, 2.0, {True: 4.0, False: 0.0}
+    for k, v in kw.items():
+        setattr(b, k, v)
+    b.speculate(decoders, base_rows, 128.0, decoders + (base_rows > decoders))
+    return b
+
+
+def test_drafting_is_weighed_by_what_it_adds_against_plain_steps():
+    """4 decoders, 8 draft rows. Without prompt rows: a plain step is verify(4) = 13 ms for 4 tokens
+    (0.308/ms); a speculative one verify(16) + 4 = 29 ms (12 rows padded to 16). tau 3: 12/29 = 0.414
+    drafts; tau 1.5: 6/29 = 0.207 does not. With 36 prompt rows beside them (40 rows: 49 ms; 48 with
+    the drafts: 61 ms), the old step-rate rule drafted at tau 1.5 (6/61 = 0.098 > 4/49 = 0.082, the
+    prompt's rows make the drafts look cheap); what drafting adds, 2 tokens for 12 ms (0.167), buys
+    less than those 12 ms of plain steps (0.308): plain. At tau 3 it adds 8 for 12 ms: drafts."""
+    assert speculating(3.0, 4).mode and not speculating(1.5, 4).mode
+    assert speculating(3.0, 40).mode and not speculating(1.5, 40).mode
+    spec, plain = RowBudget.predicted_rates(speculating(1.5, 40), 4, 40, 128.0, 5)
+    assert spec == pytest.approx(2 / 12) and plain == pytest.approx(4 / 13)
+
+
+def test_exploring_steps_wait_for_a_step_without_prompt_rows_and_joins_scale_the_backoff():
+    b = speculating(1.5, 40, plain_run=50, explore_every=8)  # due to explore, but prompts are read
+    assert not b.mode and not b.exploring
+    b.speculate(4, 4, 128.0, 4)  # the next step decodes only: it explores
+    assert b.mode and b.exploring
+    b.explore_every = 128
+    b.joined(running=8)  # one newcomer among 8: the backoff shrinks to 8 x 8, not to 8
+    assert b.explore_every == 64
+    b.joined(running=1)
+    assert b.explore_every == 8
+    b.joined(running=16)  # never grows on a join
+    assert b.explore_every == 8
+
+
 def random_tree(g: torch.Generator, n: int):
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
     tokens = torch.randint(0, 100, (n,), generator=g)

@@ -19,8 +19,10 @@ step's draft cost. A node's ``S`` is capped by its parent's, so every prefix of 
 closed under ancestors and each request's verified tree falls out of the one ranking.
 
 Drafting is spent before the ranking, so the budget also decides, before each step, whether to
-draft at all (:meth:`RowBudget.speculate`): a speculative step's predicted rate
-``N * tau / (T(N + N * b) + overhead_spec)`` against a plain one's ``N / (T(N) + overhead_plain)``,
+draft at all (:meth:`RowBudget.speculate`): what speculating adds to the step,
+``N * (tau - 1)`` tokens for ``T(R0 + N * b) + overhead_spec - T(R0) - overhead_plain`` ms, against
+what those milliseconds buy in plain steps, ``N / (T(N) + overhead_plain)`` (without prompt rows,
+``R0 = N``: a speculative step's rate against a plain one's),
 with ``tau`` (tokens per request per speculative step), ``b`` (draft rows per request) and the
 overheads (each mode's measured step time beyond the table's forward) kept as running means of
 what the steps measured. A plain step is plain batched decoding (no draft, no candidates; the head
@@ -107,26 +109,38 @@ class RowBudget:
     # -- draft or not ---------------------------------------------------------------------------------
     def predicted_rates(self, decoders: int, base_rows: int, context: float, requests: int) -> tuple[float, float]:
         """(speculative, plain) tokens per ms predicted for a step of ``decoders`` decoding requests
-        and ``base_rows`` rows (roots and prompt chunks)."""
-        c = self.costs
-        spec_ms = c.verify(padded_rows(base_rows + decoders * self.rows_per_request), context, requests) + self.overhead[True]
+        and ``base_rows`` rows (their roots and any prompt chunks) among ``requests``.
+
+        The speculative rate is the *marginal* one: the tokens speculating adds (``tau - 1`` per
+        decoder) per millisecond it adds to this step; the plain rate is what those milliseconds buy
+        in plain decoding steps of the same decoders (no prompt rows). Without prompt rows this is
+        the comparison of the two steps' rates; with them, the prompt rows are paid in either mode
+        and no longer make the draft rows look cheap (on a 2-vCPU EPYC at 16 users, the steps that
+        read prompts drafted and spent 11-13 s of a 15 s run where plain decoding spent 6-8)."""
+        c, n = self.costs, decoders
         plain_ms = c.verify(padded_rows(base_rows), context, requests) + self.overhead[False]
-        return decoders * self.tau / max(spec_ms, 1e-3), decoders / max(plain_ms, 1e-3)
+        spec_ms = c.verify(padded_rows(base_rows + n * self.rows_per_request), context, requests) + self.overhead[True]
+        decode_ms = c.verify(padded_rows(n), context, n) + self.overhead[False] if base_rows > n else plain_ms
+        return n * (self.tau - 1) / max(spec_ms - plain_ms, 1e-3), n / max(decode_ms, 1e-3)
 
     def speculate(self, decoders: int, base_rows: int, context: float, requests: int) -> bool:
         """Whether the coming step drafts (see the module's text); remembered for :meth:`step_done`."""
         spec, plain = self.predicted_rates(decoders, base_rows, context, requests)
-        self.exploring = spec <= plain and self.plain_run >= self.explore_every
+        # exploring waits for a step without prompt chunks: one with them measures little of the mode
+        # (its overheads are not learned) and is the dearest step to draft in
+        self.exploring = spec <= plain and self.plain_run >= self.explore_every and requests == decoders
         self.mode = spec > plain or self.exploring
         self.plain_run = 0 if self.mode else self.plain_run + 1
         return self.mode
 
-    def joined(self) -> None:
-        """A request joined: what the head accepts may change with its text, so the next exploring
-        step comes after :data:`EXPLORE_EVERY` plain steps again (on a 2-vCPU EPYC at one request, a
-        backoff grown to 128 on a prompt the head drafted badly kept the next prompt, where it drafts
-        well, in plain steps throughout)."""
-        self.explore_every = EXPLORE_EVERY
+    def joined(self, running: int = 1) -> None:
+        """A request joined, ``running`` now decoding or reading prompts: what the head accepts may change
+        with its text, so the next exploring step comes after at most ``EXPLORE_EVERY * running`` plain
+        steps (the newcomer is one of ``running`` requests a step speculates for). On a 2-vCPU EPYC at
+        one request, a backoff grown to 128 on a prompt the head drafted badly kept the next prompt,
+        where it drafts well, in plain steps throughout; at 8 users, starting over at 8 on every join
+        made 25 of a run's 36 speculative steps explorations (each dearer than plain steps there)."""
+        self.explore_every = min(self.explore_every, EXPLORE_EVERY * max(running, 1))
 
     def step_done(self, *, seconds_ms: float, rows: int, context: float, requests: int, decoders: int,
                   tokens: int, draft_rows: int, prompt_rows: int = 0, smoothing: float = 0.2) -> None:

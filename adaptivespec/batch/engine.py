@@ -321,7 +321,7 @@ class BatchEngine:
         e.proposer.reset(r.prompt, constraint)
         e._stops = e.eos_ids | r.stop_ids
         if self.budget is not None:
-            self.budget.joined()
+            self.budget.joined(len(self.running) + 1)
         with self._bound(lane):
             rt.reserve(len(r.prompt) + r.max_new_tokens)  # fits the reserved caches: nothing allocated
         rt.cache = empty(rt.cache)
