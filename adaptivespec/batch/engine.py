@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from adaptivespec.batch.budget import Choice, RowBudget, load_or_measure
@@ -170,13 +171,11 @@ class BatchEngine:
             return PREFILL_ROWS_UNMEASURED
         limit = (1 + (self.config.batch.prefill_stall - 1) * max(prompts, 1)) * float(costs.verify(base_rows))
 
-        def cost(rows: int) -> float:  # the chunk's rows attend over `past` keys, the roots over few
-            return float(costs.verify(base_rows + rows, past * rows / (base_rows + rows)))
-
-        rows = PREFILL_STEP
-        while rows + PREFILL_STEP <= self.config.batch.max_rows and cost(rows + PREFILL_STEP) <= limit:
-            rows += PREFILL_STEP
-        return rows
+        # every candidate at once (one step's 64 table look-ups had been 1.3% of a served step at 16
+        # users); the chunk's rows attend over `past` keys, the roots over few
+        rows = np.arange(2 * PREFILL_STEP, self.config.batch.max_rows + 1, PREFILL_STEP)
+        fits = costs.verify(base_rows + rows, past * rows / (base_rows + rows)) <= limit
+        return PREFILL_STEP * (1 + int(np.argmin(fits)) if not fits.all() else 1 + len(rows))
 
     # -- what a server reads of the engine (the same names as :class:`~adaptivespec.decode.Engine`'s) --
     @property
