@@ -554,7 +554,8 @@ def test_slab_attention_by_sglang_kernels_equals_sdpa():
     """Where SGLang's CPU kernels are installed (bfloat16), the slab's shared attention runs them
     (one-row members in ``decode_attention_cpu``, trees and short chunks in ``extend_attention_cpu``
     padded to the widest): the same outputs and slab contents as the folded SDPA call, for one-row
-    parts, trees (additive and bool masks) and a causal chunk at different pasts, an idle slot between."""
+    parts, trees (additive and bool masks) and causal chunks at different pasts (a 16-row prompt chunk
+    over 140 keys the widest), an idle slot between."""
     from types import SimpleNamespace
 
     from adaptivespec.fastpath.batched import KVSlab, SlabStep
@@ -570,7 +571,7 @@ def test_slab_attention_by_sglang_kernels_equals_sdpa():
     g = torch.Generator().manual_seed(7)
     # (slot, past, rows, mask kind); slot 4 stays idle
     spec = [(0, 37, 1, None), (3, 120, 1, None), (1, 64, 5, "additive"), (5, 9, 5, "bool"), (2, 80, 3, "causal"),
-            (6, 0, 1, None)]
+            (6, 0, 1, None), (7, 140, 16, "causal")]  # the last: a prompt chunk over a long past, the widest
     parts, starts, pasts, start = [], [], [], 0
     for slot, past, rows, kind in spec:
         mask = None
@@ -588,7 +589,7 @@ def test_slab_attention_by_sglang_kernels_equals_sdpa():
     outs, slabs = [], []
     for use in (sgl, None):
         torch.manual_seed(1)
-        slab = KVSlab(cfg, 7, cap, torch.bfloat16, "cpu")
+        slab = KVSlab(cfg, 8, cap, torch.bfloat16, "cpu")
         for t in (*slab.k, *slab.v):
             t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).bfloat16())
         step = SlabStep(slab, parts, starts, pasts, heads, torch.bfloat16, "cpu", use)

@@ -71,7 +71,7 @@ class Part:
 
 SLAB_MAX_ROWS = 32
 """Parts of at most this many rows in the slab attend in one call for all of them (verify trees,
-plain rows, short chunks); longer ones (prompt chunks) attend alone."""
+plain rows, prompt chunks where :func:`kernels_attend`); longer ones attend alone."""
 
 
 class KVSlab:
@@ -115,6 +115,13 @@ class KVSlab:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
+def kernels_attend(sgl, dtype: torch.dtype) -> bool:
+    """Whether the slab's members attend by SGLang's CPU kernels (:class:`SlabKernels`: each member
+    over its own keys only, so a member with a long past costs the others nothing), not by one SDPA
+    call over the widest member's keys. ``sgl``: the forward pieces' ``sgl`` (None without them)."""
+    return sgl is not None and dtype in (torch.bfloat16, torch.float16) and hasattr(sgl, "decode_attention_cpu")
+
+
 class SlabStep:
     """One packed forward's shared attention over the slab for its short parts: the row maps and
     the mask, built once and used by every layer.
@@ -135,7 +142,7 @@ class SlabStep:
         self.kernels = None
         if not self.members:
             return
-        if sgl is not None and dtype in (torch.bfloat16, torch.float16) and hasattr(sgl, "decode_attention_cpu"):
+        if kernels_attend(sgl, dtype):
             self.kernels = SlabKernels(sgl, slab, parts, starts, pasts, self.members, heads, device)
             return
         r_max = max(parts[j].rows for j in self.members)
