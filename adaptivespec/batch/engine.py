@@ -176,7 +176,8 @@ class BatchEngine:
         # users); the chunk's rows attend over `past` keys, the roots over few
         rows = np.arange(2 * PREFILL_STEP, self.config.batch.max_rows + 1, PREFILL_STEP)
         fits = costs.verify(base_rows + rows, past * rows / (base_rows + rows)) <= limit
-        return PREFILL_STEP * (1 + int(np.argmin(fits)) if not fits.all() else 1 + len(rows))
+        more = len(rows) if fits.all() else int(np.argmin(fits))  # candidates that fit before the first that does not
+        return PREFILL_STEP * (1 + more)
 
     # -- what a server reads of the engine (the same names as :class:`~adaptivespec.decode.Engine`'s) --
     @property
