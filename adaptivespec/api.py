@@ -21,7 +21,8 @@ module is called, and may move without notice. The built-in strategies (``polici
 * **what the step hands over**: the protocols :class:`Sampling` (``Verifier.sampler``),
   :class:`GrammarState` (``CandidateSource.constraint``), and what runtime and drafter plugins
   implement, :class:`Runtime` and :class:`Drafter`;
-* **errors**: :class:`AdaptiveSpecError` (one line to the user, exit code 2), :class:`ConfigError`.
+* **errors**: :class:`AdaptiveSpecError` (one line to the user, exit code 2), :class:`ConfigError`;
+* **the machine**: :func:`cpu_kind` (``amx``, ``avx512`` or None: for settings measured per CPU kind).
 
 A plugin module then reads::
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 from adaptivespec import hookimpl
 from adaptivespec.errors import AdaptiveSpecError, ConfigError
 from adaptivespec.fusion_rules import FusionRanking, FusionRules
+from adaptivespec.hardware import cpu_kind
 from adaptivespec.params import as_tuple, int_at_least, number_in, one_of, optional_positive_int, positive_int
 from adaptivespec.protocols import Drafter, GrammarState, Runtime, Sampling
 from adaptivespec.tree_sampling import greedy_ids, residual_draw, sibling_accept
@@ -61,4 +63,6 @@ __all__ = [
     "Sampling", "GrammarState", "Runtime", "Drafter",
     # errors
     "AdaptiveSpecError", "ConfigError",
+    # the machine
+    "cpu_kind",
 ]

@@ -140,6 +140,10 @@ def structure(cls: type, data: Any, where: str, path: str) -> Any:
     if unknown:
         key = f"{path}.{unknown[0]}" if path else str(unknown[0])
         raise ConfigError(where, key, f"unknown key; expected one of: {', '.join(fields) or '(no keys)'}")
+    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and f.init and n not in data]
+    if missing:
+        key = f"{path}.{missing[0]}" if path else missing[0]
+        raise ConfigError(where, key, "required key missing")
     kwargs = {name: _convert(fields[name].type, value, where, f"{path}.{name}" if path else name) for name, value in data.items()}
     try:
         return cls(**kwargs)

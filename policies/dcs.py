@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 
 import adaptivespec
-from adaptivespec.api import StepRecord, StepSignals, TreePolicy, TreeShape, as_tuple, int_at_least, number_in, one_of
+from adaptivespec.api import (
+    StepRecord, StepSignals, TreePolicy, TreeShape, as_tuple, cpu_kind, int_at_least, number_in, one_of,
+)
 
 START_LEVEL = {"wide": 0.0, "middle": 0.5, "deep": 1.0}
 """DCS value of each start choice: the start shape is the one this score selects."""
@@ -39,6 +41,24 @@ def _tree_shape(inst, attribute, value) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class DcsEnds:
+    """DCS's two ends on one kind of CPU (``policy.on_cpu.<kind>``)."""
+
+    wide: tuple[int, int, int] = attrs.field(converter=as_tuple, validator=_tree_shape)
+    deep: tuple[int, int, int] = attrs.field(converter=as_tuple, validator=_tree_shape)
+
+
+@attrs.frozen(kw_only=True)
+class DcsOnCpu:
+    """Ends that replace ``wide`` / ``deep`` on a CPU of one kind (:func:`adaptivespec.api.cpu_kind`)."""
+
+    amx: DcsEnds | None = None
+    """On a CPU with AMX (``amx_bf16``)."""
+    avx512: DcsEnds | None = None
+    """On a CPU with AVX-512 bf16 and no AMX."""
+
+
+@attrs.frozen(kw_only=True)
 class DcsParams:
     alpha: float = attrs.field(default=0.3, validator=[_finite, number_in(0, 1, lo_open=True)])
     """EMA weight of the newest step's accepted length (the paper: 0.3)."""
@@ -59,6 +79,13 @@ class DcsParams:
     start: str = attrs.field(default="middle", validator=one_of(*START_LEVEL))
     """Shape of a sequence's first step and of the step after a breaker trip: the shape selected
     by DCS = 0 (``wide``), 0.5 (``middle``) or 1 (``deep``); the history EMA starts there too."""
+    on_cpu: DcsOnCpu = attrs.field(factory=DcsOnCpu)
+    """Ends measured for one kind of CPU, used instead of ``wide`` / ``deep`` where the engine runs
+    on a CPU of that kind (``runtime.device: cpu``; the torch runtime and the batch engine bind the
+    policy to the machine, :meth:`DcsPolicy.bind_costs`, and :attr:`DcsPolicy.cpu` names the kind in
+    force). What a shape is worth depends on what its rows cost: on an AMX Xeon a verified row is
+    nearly free up to ~32 rows, on an AVX-512 EPYC each row beyond 8 costs ~5% of a step. The
+    policy's shapes, and so the bank, come from the ends in force."""
 
 
 class DcsPolicy(TreePolicy):
@@ -94,14 +121,28 @@ class DcsPolicy(TreePolicy):
 
     def __init__(self, params: DcsParams | None = None) -> None:
         super().__init__(params)
+        self.cpu: str | None = None
+        """The CPU kind whose ``on_cpu`` ends are in force (None: ``wide`` / ``deep``)."""
+        self._set_ends(self.params.wide, self.params.deep)
+
+    def _set_ends(self, wide: tuple[int, int, int], deep: tuple[int, int, int]) -> None:
         p = self.params
-        self._wide, self._deep = TreeShape(*p.wide), TreeShape(*p.deep)
+        self._wide, self._deep = TreeShape(*wide), TreeShape(*deep)
         self._table = tuple(self.interpolate(b / (p.levels - 1)) for b in range(p.levels))  # bin -> shape
         self._shapes = tuple(sorted(set(self._table)))
         start = START_LEVEL[p.start]
         self._start_shape = self._table[self.level(start)]
         self._ema0 = start * p.d
         self.reset()
+
+    def bind_costs(self, measure, device: str) -> None:
+        """On a CPU whose kind ``on_cpu`` names, its ends replace ``wide`` / ``deep`` (``measure``
+        is not read: the ends were measured for the kind). Called once, before :meth:`shapes`."""
+        kind = cpu_kind() if device.split(":")[0] == "cpu" else None
+        ends = getattr(self.params.on_cpu, kind, None) if kind else None
+        if ends is not None:
+            self.cpu = kind
+            self._set_ends(ends.wide, ends.deep)
 
     # -- the score and the shape table ---------------------------------------------------------
     def score(self, p1: float, ema: float) -> float:

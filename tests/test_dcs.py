@@ -245,6 +245,12 @@ def test_next_shape_returns_the_prepared_objects():
                               "(at most 7 candidates)"),
         ({"wide": [0, 4, 4]}, "policy.wide: expected a valid tree shape [nsteps, topk, ndt], got [0, 4, 4]: "
                               "nsteps must be a positive integer, got 0"),
+        ({"on_cpu": {"arm": {"wide": [2, 4, 6], "deep": [5, 2, 6]}}},
+         "policy.on_cpu.arm: unknown key; expected one of: amx, avx512"),
+        ({"on_cpu": {"avx512": {"wide": [2, 4, 6], "deep": [5, 1, 9]}}},
+         "policy.on_cpu.avx512.deep: expected a valid tree shape [nsteps, topk, ndt], got [5, 1, 9]: "
+         "ndt - 1 = 8 drafted nodes cannot be kept from a tree of nsteps=5, topk=1 (at most 5 candidates)"),
+        ({"on_cpu": {"avx512": {"wide": [2, 4, 6]}}}, "policy.on_cpu.avx512.deep: required key missing"),
     ],
 )
 def test_param_errors_name_key_value_and_expectation(raw, message):
@@ -274,3 +280,38 @@ def test_registers_as_dcs_policy():
     dcs.adaptivespec_register_policies(registry)
     entry = registry.get("dcs")
     assert entry.cls is DcsPolicy and entry.lossless is True and entry.description
+
+
+# -- ends measured per CPU kind -------------------------------------------------------------------
+ON_CPU = {"wide": [3, 4, 8], "deep": [6, 2, 12], "on_cpu": {"avx512": {"wide": [2, 4, 6], "deep": [5, 2, 6]}}}
+
+
+def test_on_cpu_ends_replace_wide_and_deep_on_a_cpu_of_that_kind(monkeypatch):
+    params = structure(DcsParams, ON_CPU, "x.yaml", "policy")
+    plain = DcsPolicy(params)
+    monkeypatch.setattr(dcs, "cpu_kind", lambda: "avx512")
+    pol = DcsPolicy(params)
+    assert pol.shapes() == plain.shapes() and pol.cpu is None  # until bound to the machine
+    pol.bind_costs(lambda: pytest.fail("the ends do not read the cost table"), "cpu")
+    assert pol.cpu == "avx512"
+    assert pol.shapes() == DcsPolicy(DcsParams(wide=(2, 4, 6), deep=(5, 2, 6))).shapes() != plain.shapes()
+    assert pol.next_shape(signals(0.5)) == pol.start_shape in pol.shapes()  # the start shape is one of them
+    shapes = [run(pol, 1.0, 5) for _ in range(3)]
+    assert shapes[-1] == TreeShape(5, 2, 6)  # confident and accepting: the kind's deep end
+
+
+@pytest.mark.parametrize(("kind", "device"), [("amx", "cpu"), (None, "cpu"), ("avx512", "cuda"), ("avx512", "cuda:0")])
+def test_ends_stay_where_no_entry_names_the_machine(monkeypatch, kind, device):
+    monkeypatch.setattr(dcs, "cpu_kind", lambda: kind)
+    params = structure(DcsParams, ON_CPU, "x.yaml", "policy")
+    pol = DcsPolicy(params)
+    pol.bind_costs(lambda: None, device)
+    assert pol.cpu is None and pol.shapes() == DcsPolicy(DcsParams(wide=(3, 4, 8), deep=(6, 2, 12))).shapes()
+
+
+def test_shipped_dynamic_config_has_ends_for_this_cpu_kind_where_measured():
+    from adaptivespec.config import load_config
+
+    cfg = load_config("configs/adaptivespec-dynamic.yaml")
+    assert cfg.policy.params.on_cpu.avx512 is not None  # measured on an AVX-512 EPYC (docs/tuning.md)
+    assert cfg.policy.params.on_cpu.amx is None  # the AMX Xeon runs wide / deep, measured there

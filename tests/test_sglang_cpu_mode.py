@@ -115,3 +115,11 @@ def test_the_shim_still_runs_the_next_sitecustomize(tmp_path):
     other.mkdir()
     (other / "sitecustomize.py").write_text("import sys, types\nsys.modules['_next_ran'] = types.ModuleType('_next_ran')\n")
     assert _run({platform.CPU_MODE_ENV: "avx512"}, [platform.SHIM_DIR, other, fake]) == ["True", "True"]
+
+
+@pytest.mark.parametrize(("flags", "kind"), [(AMX, "amx"), (AVX512_BF16, "avx512"), (AVX2, None), (frozenset(), None)])
+def test_cpu_kind_names_what_a_row_costs_here(flags, kind):
+    from adaptivespec.api import cpu_kind
+
+    assert cpu_kind(flags) == kind
+    assert platform.cpu_mode(flags, env={}) == kind  # SGLang's mode is the kind, unless switched off

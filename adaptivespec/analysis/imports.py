@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("adaptivespec", "adaptivespec.api", "adaptivespec.errors", "adaptivespec.types", "adaptivespec.params",
       "adaptivespec.hookspecs", "adaptivespec.fusion_rules", "adaptivespec.protocols", "adaptivespec.tree",
       "adaptivespec.tree_sampling", "adaptivespec.strategies", "adaptivespec.plugins", "adaptivespec.response_format",
-      "adaptivespec.costmodel", "adaptivespec.learned_model")),
+      "adaptivespec.costmodel", "adaptivespec.learned_model", "adaptivespec.hardware")),
     ("strategies", "the built-in policies, verifiers and candidate sources, registered like any plugin",
      ("adaptivespec.policies", "adaptivespec.verifiers", "adaptivespec.sources")),
     ("step", "the decode step: config, proposal and fusion, constraints, models, runtimes, fast path, speculation "

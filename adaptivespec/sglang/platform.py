@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from adaptivespec.hardware import cpu_flags, cpu_kind  # tests patch cpu_flags here
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.sglang.api import SGLANG_VERSION
 from adaptivespec.sglang.api_check import check_api, installed_version
@@ -44,17 +45,6 @@ def detect_device() -> str:
         return "cpu"
 
 
-def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags (the first ``flags`` line of ``cpuinfo``; empty when it cannot be read)."""
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except (OSError, IndexError):
-        pass
-    return frozenset()
-
-
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU backend is built for it."""
     return "amx_bf16" in cpu_flags()
@@ -65,13 +55,11 @@ def cpu_mode(flags: frozenset[str] | None = None, env: Mapping[str, str] | None 
     ``avx512`` (AVX-512 with bf16 and no AMX: adaptivespec's supported mode, where the SGLang
     processes ``serve`` starts are told they may use the AMX backend, :mod:`adaptivespec.sglang.cpu_shim`),
     or None: neither, or the mode turned off (``ADAPTIVESPEC_SGLANG_AVX512=0``)."""
-    flags = cpu_flags() if flags is None else flags
+    kind = cpu_kind(cpu_flags() if flags is None else flags)
     env = os.environ if env is None else env
-    if "amx_bf16" in flags:
-        return "amx"
-    if {"avx512f", "avx512_bf16"} <= flags and env.get(AVX512_SWITCH_ENV, "1") != "0":
-        return "avx512"
-    return None
+    if kind == "avx512" and env.get(AVX512_SWITCH_ENV, "1") == "0":
+        return None
+    return kind
 
 
 def cpu_refusal(flags: frozenset[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
