@@ -471,3 +471,71 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(greedy_reference):
     assert (a.out, b.out, long.out) == (a_ref, b_ref, l_ref)
     solo = Engine(config("eagle3.yaml")).generate_ids(l_ids, max_new_tokens=32)
     assert [x.accepted for x in long.records] == [x.accepted for x in solo.records]
+
+
+def test_a_prompt_read_over_plain_and_drafting_steps_reaches_the_head_in_order(greedy_reference):
+    """A prompt read in 8-row chunks while steps alternate between plain and drafting (the budget's
+    choice under load): a chunk of a drafting step waits behind the chunks plain steps left for the
+    head, so at its first draft the request's head has every position, in order, as alone (before,
+    such a chunk ran at once and the catch-up then wrote the earlier chunks over it)."""
+    be = BatchEngine(config("batched.yaml", "batch.prefill_rows=8"), slots=2, costs=TYPICAL, context_length=96,
+                     log=lambda _: None)
+    flips = iter([False, True] * 200)
+
+    def speculate(*args, **kwargs):
+        be.budget.mode = next(flips)
+        return be.budget.mode
+
+    be.budget.speculate = speculate
+    (a_ids, a_ref), (l_ids, l_ref) = (greedy_reference(t, 32) for t in (PROMPTS[0], PROMPTS[3]))
+    a = be.submit(Request(prompt=a_ids, max_new_tokens=32))
+    while a.status is not Status.DECODE:
+        be.step()
+    long = be.submit(Request(prompt=l_ids, max_new_tokens=32))
+    chunks = 0
+    while long.status is not Status.DECODE:
+        be.step()
+        chunks += 1
+    assert chunks >= 4  # read over plain and drafting steps alike
+    while not long.records:  # its first drafting step brings the head up to date
+        be.step()
+    rt, lane = long.lane.engine.runtime, long.lane
+    assert rt.P == len(l_ids) + len(long.out) - 1 == lane.kv.length
+    alone = Engine(config("batched.yaml")).runtime
+    assert alone.prefill(l_ids + long.out[:-1], 32) == long.out[-1]
+    torch.testing.assert_close(rt.root_state.reshape(-1), alone.root_state.reshape(-1), rtol=1e-4, atol=1e-4)
+    until_idle(be)
+    assert (a.out, long.out) == (a_ref, l_ref)
+
+
+def test_an_exploring_step_drafts_for_one_request_in_eight_and_stays_lossless(engines, greedy_reference, monkeypatch):
+    """Exploring (a speculative step among plain ones, to see what the head accepts now) drafts for
+    one request in EXPLORE_GROUP: here 1 of 3, taking turns by lane; the others decode plainly in the
+    same forward, their heads left behind. Steps alternate plain and exploring to the end, and every
+    output is greedy's."""
+    be = engines("batched-hybrid")
+    refs = [greedy_reference(text, N) for text in TEXTS[:3]]
+    reqs = [be.submit(Request(prompt=ids, max_new_tokens=N)) for ids, _ in refs]
+    modes = iter([])
+
+    def speculate(*args, **kwargs):
+        be.budget.mode = be.budget.exploring = next(modes, False)
+        return be.budget.mode
+
+    monkeypatch.setattr(be.budget, "speculate", speculate)
+    while not all(r.status is Status.DECODE for r in reqs):  # the prompts, then a plain step
+        be.step()
+    be.step()
+    modes = iter([True, False] * 100)
+    turns = []
+    for _ in range(3):  # three exploring steps: each drafts for one request, each request in turn
+        before = [len(r.records) for r in reqs]
+        be.step()
+        drafted = [r for r, n in zip(reqs, before) if len(r.records) > n]
+        assert len(drafted) == 1 and not drafted[0].lane.pending  # its head caught up to draft
+        assert all(r.lane.pending for r in reqs if r is not drafted[0])  # the others' still behind
+        turns.append(drafted[0])
+        be.step()  # plain
+    assert sorted(r.rid for r in turns) == sorted(r.rid for r in reqs)
+    until_idle(be)
+    assert [r.out for r in reqs] == [ref for _, ref in refs]

@@ -255,6 +255,23 @@ def test_exploring_steps_wait_for_a_step_without_prompt_rows_and_joins_scale_the
     assert b.explore_every == 8
 
 
+def test_an_exploring_step_that_drafted_for_some_teaches_tau_from_them_and_not_the_overhead():
+    """16 decoders, 2 of them drafted (8 rows) and emitted 3 + 2 tokens, the other 14 one each: tau
+    moves towards 2.5 (not 19 / 16), the rows per request towards 4, and the speculative overhead
+    stays (the step drafted for 2 of 16: its cost is a part of a whole speculative step's). A whole
+    speculative step, or a plain one, does move its mode's overhead."""
+    b = speculating(1.5, 16, decoders=16, plain_run=50, explore_every=8)
+    assert b.mode and b.exploring
+    b.step_done(seconds_ms=60.0, rows=24, context=128.0, requests=16, decoders=16, tokens=19, draft_rows=8,
+                drafting=2, drafted_tokens=5, smoothing=0.5)
+    assert b.tau == pytest.approx(1.5 + 0.5 * (2.5 - 1.5)) and b.rows_per_request == pytest.approx(3.0)
+    assert b.overhead == {True: 4.0, False: 0.0}
+    b.mode, b.exploring = True, False
+    b.step_done(seconds_ms=60.0, rows=32, context=128.0, requests=16, decoders=16, tokens=48, draft_rows=16,
+                smoothing=0.5)  # every decoder drafted: verify(32) = 41 ms, 19 over; 3 tokens each
+    assert b.overhead[True] == pytest.approx(4.0 + 0.5 * (19.0 - 4.0)) and b.tau == pytest.approx(2.0 + 0.5 * (3 - 2.0))
+
+
 def random_tree(g: torch.Generator, n: int):
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
     tokens = torch.randint(0, 100, (n,), generator=g)

@@ -28,7 +28,7 @@ overheads (each mode's measured step time beyond the table's forward) kept as ru
 what the steps measured. A plain step is plain batched decoding (no draft, no candidates; the head
 still follows every token, so a later speculative step starts fresh); after
 :data:`EXPLORE_EVERY` plain steps one speculates to keep ``tau`` current (less often while such
-steps keep confirming the plain choice).
+steps keep confirming the plain choice), drafting for one request in :data:`EXPLORE_GROUP`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ EXPLORE_EVERY = 8
 """Plain steps in a row after which one step speculates anyway (what the head accepts changes with
 the text); doubled, up to :data:`EXPLORE_MAX`, each time such a step confirms that plain steps pay more."""
 EXPLORE_MAX = 128
+EXPLORE_GROUP = 8
+"""An exploring step drafts for one request in this many decoders (at least one): it measures what
+the head accepts, which a few requests' trees tell as well as all of them, at a fraction of the cost."""
 
 
 # -- the budget -------------------------------------------------------------------------------------
@@ -143,22 +146,28 @@ class RowBudget:
         self.explore_every = min(self.explore_every, EXPLORE_EVERY * max(running, 1))
 
     def step_done(self, *, seconds_ms: float, rows: int, context: float, requests: int, decoders: int,
-                  tokens: int, draft_rows: int, prompt_rows: int = 0, smoothing: float = 0.2) -> None:
+                  tokens: int, draft_rows: int, prompt_rows: int = 0, drafting: int | None = None,
+                  drafted_tokens: int | None = None, smoothing: float = 0.2) -> None:
         """What the step just run measured: its wall time, rows, tokens emitted by its decoders.
         A step that also read ``prompt_rows`` rows of prompts does not move the overheads (its
         chunks attend over their own long pasts, which the table does not price: on a 2-vCPU EPYC
-        such steps had pushed the plain mode's overhead to 48 ms and made plain look dear)."""
+        such steps had pushed the plain mode's overhead to 48 ms and made plain look dear).
+        ``drafting`` of the decoders drafted (default: all), emitting ``drafted_tokens``: an exploring
+        step that drafted for some of them teaches ``tau`` and the rows per request from those, and
+        not the overhead (its drafting cost is a part of a whole speculative step's)."""
         if not decoders:
             return
-        if not prompt_rows:
+        drafting = decoders if drafting is None else drafting
+        drafted_tokens = tokens if drafted_tokens is None else drafted_tokens
+        if not prompt_rows and drafting in (0, decoders):
             table = float(self.costs.verify(padded_rows(rows), context, requests))
             # one step's excess is capped at the forward's price beyond the running mean: a stray pause
             # (another process, a page fault) moves the mean, it does not take it over
             over = min(seconds_ms - table, self.overhead[self.mode] + table)
             self.overhead[self.mode] += smoothing * (over - self.overhead[self.mode])
-        if self.mode:
-            self.tau += smoothing * (tokens / decoders - self.tau)
-            self.rows_per_request += smoothing * (draft_rows / decoders - self.rows_per_request)
+        if self.mode and drafting:
+            self.tau += smoothing * (drafted_tokens / drafting - self.tau)
+            self.rows_per_request += smoothing * (draft_rows / drafting - self.rows_per_request)
         if self.exploring:  # did the speculative step pay? then look again soon, else later
             spec, plain = self.predicted_rates(decoders, rows - draft_rows, context, requests)
             self.explore_every = EXPLORE_EVERY if spec > plain else min(2 * self.explore_every, EXPLORE_MAX)
