@@ -17,10 +17,6 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-CPU_KINDS = ("amx", "avx512")
-"""The CPU kinds a setting may be measured for (:func:`cpu_kind`)."""
-
-
 def cpu_kind(flags: frozenset[str] | None = None) -> str | None:
     """What a bf16 row costs on this CPU, in one word: ``amx`` (AMX tiles, ``amx_bf16``: verified
     rows nearly free up to ~32 on a 2-vCPU Xeon), ``avx512`` (AVX-512 bf16 without AMX: ~0.7 ms a

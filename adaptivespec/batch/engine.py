@@ -579,10 +579,12 @@ class BatchEngine:
             # the head follows now where it is up to date; it catches up when it next drafts where a
             # plain step left rows behind (a prompt read in chunks over plain and drafting steps: its
             # later chunks wait behind the earlier ones, in order)
-            now = [] if self._plain else [f for f in follow if not f[0].pending]
+            now = []
             for lane, *rows in follow:
                 if self._plain or lane.pending:
                     lane.pending.append(rows)
+                else:
+                    now.append((lane, *rows))
             if now:
                 self._follow(now)
         return ended

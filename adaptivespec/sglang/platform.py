@@ -45,11 +45,6 @@ def detect_device() -> str:
         return "cpu"
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX (``amx_bf16`` in /proc/cpuinfo): SGLang's CPU backend is built for it."""
-    return "amx_bf16" in cpu_flags()
-
-
 def cpu_mode(flags: frozenset[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
     """How SGLang's CPU backend runs on this CPU: ``amx`` (a Xeon with AMX, SGLang's supported CPU),
     ``avx512`` (AVX-512 with bf16 and no AMX: adaptivespec's supported mode, where the SGLang
