@@ -1,6 +1,8 @@
 """A stand-in for the three servers a load run starts (``adaptivespec serve --runtime torch``,
 SGLang, ``llama-server``), run as its own process by tests/test_load.py: the same routes and
-streamed chunk formats, each request ``max_tokens`` one-word tokens in chunks of 1 and 2 tokens.
+streamed chunk formats, each request ``max_tokens`` one-word tokens in chunks of 1 and 2 tokens; the
+torch server says half of each prompt came from its prefix cache, SGLang a quarter, llama-server
+nothing (``/flush_cache`` calls are counted).
 
 Takes any of the real servers' arguments and reads ``--port`` only. Environment:
 ``FAKE_LOAD_DIR``: it writes ``<pid>.json`` there (its pid, the most requests it had in flight at
@@ -18,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 LOCK = threading.Lock()
-STATE = {"pid": os.getpid(), "in_flight": 0, "max_in_flight": 0, "served": 0, "paths": {}}
+STATE = {"pid": os.getpid(), "in_flight": 0, "max_in_flight": 0, "served": 0, "paths": {}, "flushes": 0}
 
 
 def save() -> None:
@@ -59,6 +61,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
         if self.path.startswith("/flush_cache"):
+            with LOCK:
+                STATE["flushes"] += 1
+                save()
             return self._json(200, {})
         with LOCK:
             STATE["served"] += 1
@@ -76,12 +81,14 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/v1/completions":  # adaptivespec serve --runtime torch
             n = body["max_tokens"]
             events = [{"choices": [{"text": " w" * k, "finish_reason": None}]} for k in chunks(n)]
-            events.append({"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": n}})
+            events.append({"choices": [{"text": "", "finish_reason": "length"}], "usage": {
+                "completion_tokens": n, "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 2}}})
         elif self.path == "/generate":  # SGLang
             n, seen, events = body["sampling_params"]["max_new_tokens"], 0, []
             for k in chunks(n):
                 seen += k
-                events.append({"text": " w" * seen, "meta_info": {"completion_tokens": seen}})
+                events.append({"text": " w" * seen, "meta_info": {"completion_tokens": seen,
+                                                                  "cached_tokens": len(body["input_ids"]) // 4}})
         else:  # llama-server /completion: a chunk per token
             n = body["n_predict"]
             events = [{"content": " w", "stop": False} for _ in range(n)]

@@ -638,6 +638,27 @@ def test_requests_joining_mid_generation_each_stream_what_they_decode_alone(batc
     assert outcomes(service)["completed"] == 4
 
 
+@pytest.mark.model
+def test_a_prompt_sent_again_reads_only_its_last_token_and_says_so_in_usage(batched32, greedy_reference):
+    """The same chat request twice: the second takes all but the prompt's last token from the prefix
+    cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``, the server's cached-tokens counter)
+    and answers the same greedy text."""
+    service, port = batched32
+    ids, ref = greedy_reference(TEXTS[1], N)
+    before = metric(service, "adaptivespec_server_cached_tokens_total")
+    answers = []
+    for _ in range(2):
+        status, _, body = post(port, "/v1/chat/completions", chat_body(TEXTS[1], N, temperature=0))
+        assert status == 200, body
+        answers.append(body)
+    tok = service.engine.tokenizer
+    assert [b["choices"][0]["message"]["content"] for b in answers] == [tok.decode(ref, skip_special_tokens=True)] * 2
+    assert answers[1]["usage"]["prompt_tokens"] == len(ids)
+    assert answers[1]["usage"]["prompt_tokens_details"] == {"cached_tokens": len(ids) - 1}
+    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in answers)
+    assert metric(service, "adaptivespec_server_cached_tokens_total") - before == cached
+
+
 # -- the soak serves with --parallel ------------------------------------------------------------------------
 class StartRefused(Exception):
     pass

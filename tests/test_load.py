@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import attrs
 import pytest
 
 from adaptivespec.cli import main
@@ -51,7 +52,10 @@ def test_level_statistics_of_synthetic_streams():
     assert row["latency_mean_seconds"] == pytest.approx(0.9)
     assert list(row) == ["contender", "concurrency", "requests_sent", "requests_answered", "window_seconds", "tokens",
                          "total_tokens_per_second", "per_request_tokens_per_second", "itl_p50_ms", "itl_p90_ms",
-                         "ttft_p50_ms", "ttft_p90_ms", "latency_mean_seconds"]
+                         "ttft_p50_ms", "ttft_p90_ms", "latency_mean_seconds", "prompt_cached_share"]
+    assert row["prompt_cached_share"] is None  # the server did not say
+    told = [attrs.evolve(s, prompt_tokens=100, cached_tokens=c) for s, c in zip(streams, (30, 50, 99))]
+    assert level_stats("x", 2, told, 0.0, 1.0).prompt_cached_share == pytest.approx(0.4)  # answered ones only
 
 
 def test_the_window_waits_for_every_prompt_and_for_max_of_c_and_p_answers():
@@ -232,8 +236,15 @@ def test_a_load_run_measures_every_served_contender_at_every_level(fakes, tmp_pa
     assert len(servers) == 3 and all(s["max_in_flight"] == 2 for s in servers)
     assert sorted(p for s in servers for p in s["paths"]) == ["/completion", "/generate", "/v1/completions"]
     assert not any(_alive(s["pid"]) for s in servers)
+    # each pass (warm-up, measured) starts with the prefix caches emptied; what each server said it took from its cache
+    flushes = {next(iter(s["paths"])): s["flushes"] for s in servers}
+    assert flushes == {"/v1/completions": 4, "/generate": 4, "/completion": 0}
+    shares = {r["contender"]: r["prompt_cached_share"] for r in res["levels"] if r["concurrency"] == 2}
+    assert shares["hybrid-served"] == pytest.approx(0.5, abs=0.05) and shares["sglang"] == pytest.approx(0.25, abs=0.05)
+    assert shares["llama-server"] is None
     # the table, printed and written, and the plot
     table = (out / "load.md").read_text()
+    assert "Prompt tokens taken from the server's prefix cache" in table and "| `llama-server` | – | – |" in table
     assert "| contender | 1 in flight | 2 in flight |" in table and "| `hybrid-served` |" in table
     assert table.strip() in captured.out
     assert (out / "load.png").read_bytes()[:8] == PNG_MAGIC

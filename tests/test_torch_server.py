@@ -527,7 +527,7 @@ def test_serve_runtime_torch_as_a_user_runs_it(tmp_path):
         assert lines[0] == f"adaptivespec serve: runtime torch (--runtime torch) on http://127.0.0.1:{port}"
         ready = next(line for line in lines if "ready:" in line)
         assert re.fullmatch(r"adaptivespec serve: ready: hybrid \(static\+strict\), 8 decoded together, KV reserved "
-                            r"[1-9][\d,]* MiB \(8 x 512 positions\), 16 may wait", ready), ready
+                            r"[1-9][\d,]* MiB \(8 x 512 positions\), prefix cache 51\d MiB, 16 may wait", ready), ready
         status, _, body = post(port, "/v1/chat/completions", {**CHAT, "max_tokens": 8})
         assert status == 200 and body["usage"]["completion_tokens"] >= 1
         assert body["speculation"]["target_forwards"] >= 1

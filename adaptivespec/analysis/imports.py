@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
       "adaptivespec.models", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
       "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
     ("batch", "continuous batching: request states, the scheduler's step plans, the executor over ragged rows, "
-              "the row budget", ("adaptivespec.batch",)),
+              "the row budget, the prefix cache", ("adaptivespec.batch",)),
     ("interfaces", "the command line, the generated reference, the pytest kit for plugin authors",
      ("adaptivespec.cli", "adaptivespec.reference", "adaptivespec.testing")),
     ("serving", "the two engines, which never import each other: SGLang (plugin, command, loopback servers), "

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from adaptivespec.batch.budget import EXPLORE_GROUP, Choice, RowBudget, load_or_measure
+from adaptivespec.batch.prefix import PrefixCache
 from adaptivespec.batch.request import Lane, Request, Status
 from adaptivespec.batch.scheduler import Chunk, Scheduler, StepPlan
 from adaptivespec.decode import Engine, GenerationResult
@@ -151,7 +152,12 @@ class BatchEngine:
         self._lock = threading.Lock()
         self.slab: KVSlab | None = None
         self._plain = False  # the step in flight drafts nothing (the row budget's choice)
-        self.reserve(context_length or DEFAULT_CONTEXT)
+        self.prefix: PrefixCache | None = None
+        self._flush = False  # flush_prefix was asked: the pool is emptied before the next step
+        if bc.prefix_cache_mb:
+            self.prefix = PrefixCache(self.target.config, bc.prefix_cache_mb, first.runtime.dtype, self.device,
+                                      self.drafter.config.hidden_size if self.drafter is not None else None)
+        self.reserve(context_length or DEFAULT_CONTEXT, pool=False)
         # the models', tokenizer's and caches' objects (~450k for the embedded pair) leave the cyclic
         # collector's view: a full collection over them took 0.2 s, inside whichever step it fell on
         gc.freeze()
@@ -214,10 +220,11 @@ class BatchEngine:
         return bound(self.drafter, lane.kv) if self.drafter is not None else contextlib.nullcontext()
 
     # -- requests in and out ----------------------------------------------------------------------
-    def reserve(self, positions: int) -> None:
+    def reserve(self, positions: int, *, pool: bool = True) -> None:
         """Every lane's caches sized for ``positions`` context positions now (a server's start-up):
         the target's in one :class:`~adaptivespec.fastpath.batched.KVSlab` (slot ``i``: lane ``i``),
-        the draft head's per lane."""
+        the draft head's per lane; with ``pool`` the prefix cache's pool made resident too (the
+        engine's own first call leaves its pages to be written as sequences are kept)."""
         rt0 = self.lanes[0].engine.runtime
         cap = rt0.reserved_positions(positions)
         self.slab = None  # the old slab goes before the new one is taken
@@ -230,12 +237,22 @@ class BatchEngine:
             self.slab.bind(lane.index, rt.cache)
             with self._bound(lane):
                 lane.engine.reserve(positions)
+            # the head's input state of every position of the lane's sequence, for the prefix cache
+            heads = self.prefix.states if self.prefix is not None else None
+            lane.states = heads.new_zeros(cap, heads.shape[1]) if heads is not None else None
+        if pool and self.prefix is not None:
+            self.prefix.resident()
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (any thread); it joins a free lane at a coming step."""
         with self._lock:
             self.waiting.append(request)
         return request
+
+    def flush_prefix(self) -> None:
+        """Forget every kept prefix before the next step (any thread; SGLang's ``/flush_cache``)."""
+        with self._lock:
+            self._flush = self.prefix is not None
 
     @property
     def busy(self) -> bool:
@@ -261,6 +278,9 @@ class BatchEngine:
     def step(self) -> list[Request]:
         """One step for every running request; returns the requests that finished in it."""
         with self._lock:
+            if self._flush:
+                self.prefix.clear()
+                self._flush = False
             plan = self.scheduler.plan(self.running, list(self.waiting))
             for r in plan.joins:
                 self.waiting.remove(r)
@@ -270,6 +290,8 @@ class BatchEngine:
         ended = [self._finish(r, "cancelled") for r in plan.leaves]
         for r in plan.joins:
             self._join(r)
+        if any(r.cached for r in plan.joins):  # prompts partly in the prefix cache: their chunks start later
+            plan = self.scheduler.plan(self.running, ())  # (one cancelled meanwhile leaves at the next step)
         if plan.idle:
             return ended
         t0 = time.perf_counter()
@@ -330,6 +352,13 @@ class BatchEngine:
             rt.reserve(len(r.prompt) + r.max_new_tokens)  # fits the reserved caches: nothing allocated
         rt.cache = empty(rt.cache)
         rt.P = 0
+        if self.prefix is not None:  # a kept prefix of the prompt: its keys and values, the head's rows pending
+            n, states = self.prefix.load(r.prompt, rt.cache)
+            r.prefilled = r.cached = n
+            if n and states is not None:
+                lane.states[:n] = states
+                lane.pending.append((torch.tensor(r.prompt[1:n + 1], dtype=torch.long, device=self.device), states,
+                                     torch.arange(n, device=self.device)))
         self.running.append(r)
 
     def abort(self, reason: str) -> list[Request]:
@@ -341,6 +370,11 @@ class BatchEngine:
         return ended
 
     def _finish(self, r: Request, reason: str) -> Request:
+        if self.prefix is not None and r.lane is not None and reason != "error":
+            # its sequence in the cache: the positions whose keys (and head states) are committed
+            rt = r.lane.engine.runtime
+            n = rt.P if r.status is Status.DECODE else r.prefilled
+            self.prefix.store((r.prompt + r.out)[:n], rt.cache, r.lane.states)
         r.status, r.finish_reason, r.finished = Status.DONE, reason, time.perf_counter()
         if r in self.running:
             self.running.remove(r)
@@ -566,6 +600,9 @@ class BatchEngine:
                 e.proposer.extend(r.out[n_before:])
             if done:
                 ended.append(self._finish(r, self._reason(r)))
+        for lane, _, states, positions in follow:  # the head's input states, for the prefix cache
+            if lane.states is not None:
+                _keep(lane, states, positions)
         for r in first_tokens:  # the prompt's last row picked the first token
             r.status = Status.DECODE
             r.first_token = time.perf_counter()
@@ -640,6 +677,15 @@ class BatchEngine:
         if r.out and r.out[-1] in e._stops:
             return "stop"
         return "length"
+
+
+def _keep(lane: Lane, states: torch.Tensor, positions: torch.Tensor) -> None:
+    """The head's input ``states`` [n, H] of ``positions`` [n] into ``lane.states`` (grown by doubling
+    for a request longer than reserved)."""
+    end = int(positions[-1]) + 1
+    if end > lane.states.shape[0]:
+        lane.states = torch.cat([lane.states, lane.states.new_zeros(max(end, lane.states.shape[0]), states.shape[1])])
+    lane.states.index_copy_(0, positions, states)
 
 
 def _root_tree(root: torch.Tensor) -> DraftTree:

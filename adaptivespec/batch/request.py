@@ -59,6 +59,8 @@ class Request:
     lane: "Lane | None" = None
     prefilled: int = 0
     """Prompt tokens in the target's cache (== len(prompt) once decoding)."""
+    cached: int = 0
+    """Prompt tokens that came from the prefix cache (:mod:`adaptivespec.batch.prefix`), not read."""
     out: list[int] = attrs.Factory(list)
     records: list[StepRecord] = attrs.Factory(list)
     forwards: int = 0
@@ -101,6 +103,7 @@ class Request:
             "prefill_seconds": (self.first_token - start) if self.first_token else wall,
             "promoted_tokens": self.promoted,
             "queue_seconds": start - self.submitted,
+            "cached_tokens": self.cached,
             "finish_reason": self.finish_reason,
             **({"accepted_by_source": dict(self.accepted_by_source)} if self.accepted_by_source else {}),
         }
@@ -126,3 +129,6 @@ class Lane:
     pending: list = attrs.Factory(list)
     """Rows the draft head has yet to run: ``(tokens, states, positions)`` of steps that drafted
     nothing; run in one pass before the lane drafts again (:meth:`BatchEngine._catch_up`)."""
+    states: Any = None
+    """[capacity, H] the draft head's input state at each position of the lane's sequence, kept for
+    the prefix cache (None: no cache or no head)."""

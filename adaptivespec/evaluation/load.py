@@ -19,7 +19,9 @@ What a level reports (:func:`level_stats`, :class:`LevelStats`), all on the clie
   that carry tokens is divided by the tokens of the later chunk and counted once per token (a
   speculative step that streams 4 tokens 40 ms after the previous chunk gives four 10 ms samples),
   pooled over the answered requests;
-* ``ttft_p50_ms`` / ``ttft_p90_ms``: request sent to its first chunk that carries a token.
+* ``ttft_p50_ms`` / ``ttft_p90_ms``: request sent to its first chunk that carries a token;
+* ``prompt_cached_share``: of the answered requests' prompt tokens, the share the server took from
+  its prefix cache (our ``usage.prompt_tokens_details.cached_tokens``, SGLang's ``cached_tokens``).
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default).
 """
@@ -74,6 +76,10 @@ class Stream:
     count of completion tokens)."""
     done: float | None
     """When the stream ended; None: it did not end."""
+    prompt_tokens: int = 0
+    """Tokens of its prompt."""
+    cached_tokens: int | None = None
+    """Of those, the ones the server took from its prefix cache (None: it does not say)."""
 
 
 def chunk_tokens(running: Sequence[int], total: int) -> list[int]:
@@ -156,6 +162,10 @@ class LevelStats:
     ttft_p50_ms: float | None
     ttft_p90_ms: float | None
     latency_mean_seconds: float | None
+    prompt_cached_share: float | None = None
+    """Of the prompt tokens of the requests answered inside the window, the share the server took
+    from its prefix cache instead of reading them (None: it does not say). The bench empties every
+    server's cache before each pass; within a level, a prompt sent again may find itself there."""
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -169,13 +179,16 @@ def level_stats(contender: str, concurrency: int, streams: Sequence[Stream], sta
     gaps = [g for s in answered for g in inter_token_gaps(s)]
     firsts = [f for f in map(first_token, answered) if f is not None]
     seconds = end - start
+    told = [s for s in answered if s.cached_tokens is not None]
+    prompt = sum(s.prompt_tokens for s in told)
     return LevelStats(
         contender=contender, concurrency=concurrency, requests_sent=len(streams), requests_answered=len(answered),
         window_seconds=seconds, tokens=tokens, total_tokens_per_second=tokens / seconds if seconds > 0 else 0.0,
         per_request_tokens_per_second=sum(rates) / len(rates) if rates else None,
         itl_p50_ms=_ms(percentile(gaps, 0.5)), itl_p90_ms=_ms(percentile(gaps, 0.9)),
         ttft_p50_ms=_ms(percentile(firsts, 0.5)), ttft_p90_ms=_ms(percentile(firsts, 0.9)),
-        latency_mean_seconds=sum(s.done - s.sent for s in answered) / len(answered) if answered else None)
+        latency_mean_seconds=sum(s.done - s.sent for s in answered) / len(answered) if answered else None,
+        prompt_cached_share=sum(s.cached_tokens for s in told) / prompt if prompt else None)
 
 
 # -- the closed loop ----------------------------------------------------------------------------------

@@ -193,6 +193,15 @@ def markdown(results: dict[str, Any]) -> str:
             cells.append("" if r is None else f"{r['total_tokens_per_second']:.1f} / "
                          f"{_num(r['per_request_tokens_per_second'], '.1f')} / {_num(r['itl_p50_ms'], '.1f')}")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    shares = {k: r.get("prompt_cached_share") for k, r in rows.items()}
+    if any(v is not None for v in shares.values()):
+        lines += ["", "Prompt tokens taken from the server's prefix cache (answered requests; each pass starts "
+                  "with the caches emptied, a prompt sent again within a level may be found):", "",
+                  "| contender | " + " | ".join(f"{c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
+        for name in results["contenders"]:
+            vals = [shares.get((name, c)) for c in levels]
+            lines.append(f"| `{name}` | " + " | ".join(_num(None if v is None else 100 * v, ".0f") + ("%" if v is not None else "")
+                                                      for v in vals) + " |")
     if results.get("skipped"):
         lines += ["", "Left out: " + "; ".join(f"`{n}`: {why}" for n, why in results["skipped"].items()) + "."]
     return "\n".join(lines) + "\n"

@@ -66,6 +66,9 @@ class Reply:
     total: int | None = None
     """The server's count of completion tokens, where it sends one."""
     done: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens the server took from its prefix cache, where it says."""
 
     def count(self, tokenize: Callable[[str], int] | None = None) -> Stream:
         """The :class:`Stream`: the running counts the server sent, else ``tokenize`` (a string's
@@ -77,7 +80,8 @@ class Reply:
             running = [tokenize("".join(self.texts[: k + 1])) for k in range(len(self.texts))]
         total = self.total if self.total is not None else (running[-1] if running else 0)
         return Stream(prompt=self.prompt, sent=self.sent, times=tuple(self.times),
-                      tokens=tuple(chunk_tokens(running, total)), done=self.done)
+                      tokens=tuple(chunk_tokens(running, total)), done=self.done, prompt_tokens=self.prompt_tokens,
+                      cached_tokens=self.cached_tokens)
 
 
 class LoadContender:
@@ -138,9 +142,12 @@ class TorchLoad(LoadContender):
     def encode(self, text: str) -> list[int]:
         return self.served.encode(text)
 
+    def reset(self) -> None:
+        self.server.flush_cache()  # the prefix cache (batch.prefix_cache_mb), as SGLang's radix cache
+
     def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
         body = {"prompt": list(ids), "max_tokens": max_new_tokens, "stream": True, "temperature": 0.0}
-        reply = Reply(prompt=prompt, sent=time.perf_counter())
+        reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.served.port, "/v1/completions", body)):
             text = (obj.get("choices") or [{}])[0].get("text") or ""
             if text:
@@ -149,6 +156,8 @@ class TorchLoad(LoadContender):
                 reply.running.append(None)
             if obj.get("usage"):
                 reply.total = int(obj["usage"].get("completion_tokens") or 0)
+                cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                reply.cached_tokens = None if cached is None else int(cached)
         reply.done = time.perf_counter()
         return reply
 
@@ -180,10 +189,13 @@ class SGLangLoad(LoadContender):
     def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
         body = {"input_ids": list(ids), "stream": True,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **self.ignore_eos()}}
-        reply = Reply(prompt=prompt, sent=time.perf_counter())
+        reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.server.port, "/generate", body)):
+            meta = obj.get("meta_info") or {}
             reply.times.append(t)
-            reply.running.append(int((obj.get("meta_info") or {}).get("completion_tokens") or 0))
+            reply.running.append(int(meta.get("completion_tokens") or 0))
+            if meta.get("cached_tokens") is not None:
+                reply.cached_tokens = int(meta["cached_tokens"])
         reply.done = time.perf_counter()
         reply.total = reply.running[-1] if reply.running else 0
         return reply

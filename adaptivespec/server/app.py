@@ -120,7 +120,7 @@ class Service:
 
     def stats_of(self, done: Finished, n_prompt: int, completion: int) -> dict[str, Any]:
         config = self.engine.config
-        return {"usage": usage(n_prompt, completion),
+        return {"usage": usage(n_prompt, completion, done.stats.get("cached_tokens")),
                 "speculation": speculation(done.stats, lossless=self.engine.lossless, policy=config.policy.name,
                                            verifier=config.verifier.name)}
 
@@ -218,6 +218,14 @@ def build_app(service: Service, *, metrics: bool = True) -> FastAPI:
         @app.get("/metrics")
         async def prometheus() -> Response:
             return Response(service.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """Forget the kept prefixes (SGLang's route): requests from the next step on read their prompts whole."""
+        flush = getattr(service.engine, "flush_prefix", None)
+        if flush is not None:
+            flush()
+        return JSONResponse({"flushed": flush is not None})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

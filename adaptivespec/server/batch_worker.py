@@ -153,6 +153,7 @@ class BatchWorker(Worker):
         waited = stats["queue_seconds"] + (job.started - job.enqueued)
         stats["queue_seconds"] = waited
         self.metrics.generated_tokens.inc(len(r.out))
+        self.metrics.cached_tokens.inc(r.cached)
         if r.forwards:
             self.metrics.request_accept_length.observe(len(r.out) / r.forwards)
         finished = Finished(token_ids=list(r.out), stats=stats, grammar_ended=r.grammar_ended)

@@ -128,7 +128,8 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
     app = build_app(service, metrics=not getattr(args, "no_metrics", False))
     how = ("one generation at a time" if parallel == 1 else
            f"{parallel} decoded together, KV reserved {reserved_bytes(engine) / 2**20:,.0f} MiB "
-           f"({parallel} x {served_context(engine, args.context_length)} positions)")
+           f"({parallel} x {served_context(engine, args.context_length)} positions)"
+           + (f", prefix cache {prefix.nbytes / 2**20:,.0f} MiB" if (prefix := getattr(engine, "prefix", None)) else ""))
     announce_ready(sock, f"adaptivespec serve: ready: {service.model} ({config.policy.name}+{config.verifier.name}"
                          f"{'' if engine.lossless else ', lossy'}), {how}, "
                          f"{worker.queue_size} may wait{', API key required' if service.api_key else ''}")

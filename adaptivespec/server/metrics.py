@@ -19,7 +19,9 @@ name                                               type       what
                                                               (queue full: 503), ``bad`` (4xx), ``failed``
 ``adaptivespec_server_generation_seconds``         histogram  wall time of a generation (prefill included)
 ``adaptivespec_server_first_token_seconds``        histogram  generation start to the first token
-``adaptivespec_server_prompt_tokens_total``        counter    prompt tokens prefilled
+``adaptivespec_server_prompt_tokens_total``        counter    prompt tokens of the requests handed to the engine
+``adaptivespec_server_cached_tokens_total``        counter    of those, taken from the prefix cache, not read
+                                                              (``batch.prefix_cache_mb``; ``--parallel`` > 1)
 ``adaptivespec_server_generated_tokens_total``     counter    tokens generated
 ``adaptivespec_server_trim_seconds``               histogram  time handing the heap's free pages back after a
                                                               generation (``malloc_trim``; not with ``--no-trim``)
@@ -62,7 +64,10 @@ class ServerMetrics:
                                             buckets=SECONDS_BUCKETS, registry=reg)
         self.first_token_seconds = Histogram(f"{p}_first_token_seconds", "Generation start to the first token",
                                              buckets=SECONDS_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens prefilled", registry=reg)
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens of the requests handed to the engine",
+                                     registry=reg)
+        self.cached_tokens = Counter(f"{p}_cached_tokens", "Prompt tokens taken from the prefix cache, not read",
+                                     registry=reg)
         self.generated_tokens = Counter(f"{p}_generated_tokens", "Tokens generated", registry=reg)
         self.trim_seconds = Histogram(f"{p}_trim_seconds", "Time handing the C heap's free pages back after a generation",
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25), registry=reg)

@@ -70,9 +70,14 @@ def finish_reason(done: Finished, text: TextAssembler, max_tokens: int, eos: int
     return "length" if len(done.token_ids) >= max_tokens else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``cached_tokens`` (prompt tokens taken from the prefix cache, not read: the
+    batch engine's) as OpenAI's ``prompt_tokens_details.cached_tokens``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def speculation(stats: dict[str, Any], *, lossless: bool, policy: str, verifier: str) -> dict[str, Any]:
