@@ -73,8 +73,14 @@ def test_an_extension_replaces_what_it_extends_and_a_repeat_copies_nothing():
     turn1 = list(range(40))
     assert keep(pool, turn1)
     assert not keep(pool, turn1) and not keep(pool, turn1[:30])  # held already
-    assert keep(pool, turn1 + list(range(900, 930)))  # the next turn: it holds turn1 too
+    turn2 = turn1 + list(range(900, 930))
+    cache, states = toy_sequence(turn2)
+    for layer in cache.layers:  # what turn1 holds is not copied again: marked here, it must not show
+        layer.keys[:, :, :40] += 0.5
+    assert pool.store(turn2, cache, states)  # the next turn: it takes over turn1's blocks
     assert len(pool.kept) == 1 and pool.positions == 70 and len(pool.free) == 8 - 5
+    n, _ = pool.load(turn2 + [1], empty(cache))
+    assert n == 70 and torch.equal(cache.layers[0].keys[0, 0, :, 0], torch.tensor(turn2, dtype=torch.float32))
 
 
 def test_least_recently_used_sequences_leave_first_and_what_never_fits_is_not_kept():

@@ -1,11 +1,11 @@
-"""Prefixes kept after their requests end (``batch.prefix_cache_mb``): a request whose prompt starts
-with an earlier request's tokens reads only the rest of it.
+"""Sequences kept for the requests that follow (``batch.prefix_cache_mb``): a request whose prompt
+starts with an earlier request's tokens reads only the rest of it.
 
 A chat's next turn resends the whole conversation, every request of an application starts with the
 same system prompt, an evaluation sends the same prompt again: llama-server keeps such prompts
-(``--cache-ram``), SGLang in its radix cache, vLLM by hashed blocks. Here, as in llama-server, a
-finished request's whole sequence (prompt and answer) is kept, and a new request takes the kept
-sequence that shares the longest prefix with its prompt.
+(``--cache-ram``), SGLang in its radix cache, vLLM by hashed blocks. Here a request's prompt is kept once it has been read, its whole sequence (prompt and answer) when it
+ends, and a request about to read its prompt takes the kept sequence that shares the longest prefix
+with it.
 
 What is kept per sequence: its tokens, the target's keys and values for them and, for a config with
 a draft head, the head's input state per position (the fused hidden states of the target's layers it
@@ -124,30 +124,35 @@ class PrefixCache:
 
     def store(self, tokens: Sequence[int], cache, states: torch.Tensor | None = None) -> bool:
         """Keep ``tokens`` with their keys and values (the first ``len(tokens)`` positions of
-        ``cache``) and draft-head input states (``states[:len(tokens)]``). A kept sequence that
-        ``tokens`` extends leaves (this one holds it all); where a kept one already holds
-        ``tokens``, nothing is copied. Returns whether it was copied."""
+        ``cache``) and draft-head input states (``states[:len(tokens)]``). Where a kept sequence
+        already holds ``tokens``, nothing is copied; where ``tokens`` extends one (the prompt kept
+        when it was read, now with its answer; a chat's previous turn), that one's blocks are taken
+        over and only the new positions copied. Returns whether anything was copied."""
         n = len(tokens)
         need = -(-n // BLOCK)
         if n < MIN_REUSE or need > self.blocks or (self.states is not None and states is None):
             return False
         t = np.asarray(tokens, dtype=np.int64)
-        for key, kept in list(self.kept.items()):
+        base: Kept | None = None  # no kept sequence is a prefix of another: at most one is of tokens
+        for key, kept in self.kept.items():
             m = min(len(kept.tokens), n)
             if np.array_equal(kept.tokens[:m], t[:m]):
                 if len(kept.tokens) >= n:
                     self.kept.move_to_end(key)
                     return False
-                self._drop(key)
-        while len(self.free) < need:
+                base = self.kept.pop(key)
+                break
+        blocks, start = (list(base.blocks), len(base.tokens)) if base is not None else ([], 0)
+        while len(self.free) < need - len(blocks):
             self._drop(next(iter(self.kept)))
-        blocks = [self.free.pop() for _ in range(need)]
+        blocks += [self.free.pop() for _ in range(need - len(blocks))]
         slots = self._slots(blocks, n)
+        new = slots[start:]
         for i, layer in enumerate(cache.layers):
-            self.k[i].index_copy_(1, slots, layer.keys[0, :, :n])
-            self.v[i].index_copy_(1, slots, layer.values[0, :, :n])
+            self.k[i].index_copy_(1, new, layer.keys[0, :, start:n])
+            self.v[i].index_copy_(1, new, layer.values[0, :, start:n])
         if self.states is not None:
-            self.states.index_copy_(0, slots, states[:n])
+            self.states.index_copy_(0, new, states[start:n])
         self.kept[next(self._ids)] = Kept(tokens=t, blocks=blocks, slots=slots)
         return True
 

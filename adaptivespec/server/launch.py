@@ -174,14 +174,15 @@ def warm_up_batch(engine, context: int) -> None:
 
 
 def reserved_bytes(engine) -> int:
-    """Bytes of the KV caches a batch engine reserved (the target's and the draft head's, every lane)."""
+    """Bytes of the KV caches a batch engine reserved (the target's and the draft head's, every lane,
+    and the head's input states each lane keeps for the prefix cache; the cache's pool apart)."""
     total = 0
     for lane in engine.lanes:
         cache = lane.engine.runtime.cache
         for layer in getattr(cache, "layers", ()):
             for t in (getattr(layer, "_k", None), getattr(layer, "_v", None)):
                 total += t.numel() * t.element_size() if t is not None else 0
-        for t in (lane.kv.k, lane.kv.v):
+        for t in (lane.kv.k, lane.kv.v, getattr(lane, "states", None)):
             total += t.numel() * t.element_size() if t is not None else 0
     return total
 
