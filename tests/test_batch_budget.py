@@ -272,6 +272,20 @@ def test_an_exploring_step_that_drafted_for_some_teaches_tau_from_them_and_not_t
     assert b.overhead[True] == pytest.approx(4.0 + 0.5 * (19.0 - 4.0)) and b.tau == pytest.approx(2.0 + 0.5 * (3 - 2.0))
 
 
+def test_the_heads_catching_up_after_plain_steps_is_not_learned_as_the_speculative_overhead():
+    """A speculative step after plain ones also runs the rows the heads skipped: 60 ms, 15 of them
+    the catch-up. The mode's overhead learns the other 45 (verify(32) = 41 ms: 4 over), as it
+    would from a step in a run of speculative ones."""
+    b = speculating(1.5, 16, decoders=16)
+    b.mode, b.exploring, b.overhead = True, False, {True: 4.0, False: 0.0}
+    b.step_done(seconds_ms=60.0, rows=32, context=128.0, requests=16, decoders=16, tokens=48, draft_rows=16,
+                switch_ms=15.0, smoothing=0.5)
+    assert b.overhead[True] == pytest.approx(4.0)
+    b.step_done(seconds_ms=60.0, rows=32, context=128.0, requests=16, decoders=16, tokens=48, draft_rows=16,
+                smoothing=0.5)
+    assert b.overhead[True] == pytest.approx(4.0 + 0.5 * 15.0)
+
+
 def random_tree(g: torch.Generator, n: int):
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
     tokens = torch.randint(0, 100, (n,), generator=g)

@@ -147,26 +147,47 @@ def test_the_same_prompt_again_and_the_next_turn_read_only_what_is_new(name, gre
 
 @pytest.mark.model
 def test_a_cached_prefix_gives_the_head_the_state_it_reaches_reading_the_whole_prompt(greedy_reference):
-    """After a kept prefix, the head's rows for it wait in the lane (as after plain steps) and run
-    before it first drafts: its cache length and root state are then what reading the prompt alone
-    gives, and it drafts and accepts step by step as the request did the first time."""
+    """After a kept prefix the head runs its rows with those of the prompt's last row, in the step
+    that reads it (a drafting step), or after plain steps with the rows they left, before it first
+    drafts: its cache length and root state are what reading the prompt alone gives, and it drafts
+    and accepts step by step as the request did the first time."""
     be = engine("batched.yaml")
     ids, ref = greedy_reference(PROMPTS[0], N)
+    alone = Engine(load_config(ROOT / "configs" / "batched.yaml", overrides=["runtime.dtype=float32"])).runtime
     (first,) = run(be, ids)
     again = be.submit(Request(prompt=list(ids), max_new_tokens=N))
-    be.step()  # joins: the prefix loaded, its last position read; the head's rows are pending
+    be.step()  # joins: the prefix loaded, its last position read; the head follows all of it at once
     assert again.cached == len(ids) - 1 and again.status is Status.DECODE
-    assert again.lane.pending and int(again.lane.pending[0][2][0]) == 0
-    be.step()  # the first drafting step brings the head up to date first
-    assert again.records and not again.lane.pending
+    assert not again.lane.pending and again.lane.kv.length == len(ids) and again.lane.kept_rows is None
+    assert alone.prefill(ids, N) == again.out[0]
     rt = again.lane.engine.runtime
-    assert rt.P == len(ids) + len(again.out) - 1 == again.lane.kv.length
-    alone = Engine(load_config(ROOT / "configs" / "batched.yaml", overrides=["runtime.dtype=float32"])).runtime
-    assert alone.prefill(ids + again.out[:-1], N) == again.out[-1]
     torch.testing.assert_close(rt.root_state.reshape(-1), alone.root_state.reshape(-1), rtol=1e-4, atol=1e-4)
     while be.busy:
         be.step()
-    assert first.out == again.out == ref
+    # a plain step reads it: the head's rows (the prefix's, the last row's) wait, and run before it drafts
+    from test_batch import pin_speculation
+
+    pin_speculation(be.budget, drafts=False)
+    other_ids, other_ref = greedy_reference(PROMPTS[2], N)
+    other = be.submit(Request(prompt=other_ids, max_new_tokens=N))
+    while other.status is not Status.DECODE:
+        be.step()
+    third = be.submit(Request(prompt=list(ids), max_new_tokens=N))
+    be.step()  # a plain step (the other decodes) reads its last row: the prompt's rows wait, the cached ones first
+    assert third.cached == len(ids) - 1 and third.status is Status.DECODE
+    assert [(int(p[2][0]), int(p[2][-1])) for p in third.lane.pending] == [(0, len(ids) - 1)]
+    be.step()
+    assert [int(p[2][0]) for p in third.lane.pending] == [0, len(ids)] and not third.records
+    pin_speculation(be.budget)
+    be.step()  # the first drafting step brings the head up to date first
+    assert third.records and not third.lane.pending
+    rt = third.lane.engine.runtime
+    assert rt.P == len(ids) + len(third.out) - 1 == third.lane.kv.length
+    assert alone.prefill(ids + third.out[:-1], N) == third.out[-1]
+    torch.testing.assert_close(rt.root_state.reshape(-1), alone.root_state.reshape(-1), rtol=1e-4, atol=1e-4)
+    while be.busy:
+        be.step()
+    assert first.out == again.out == third.out == ref and other.out == other_ref
     assert [x.accepted for x in again.records] == [x.accepted for x in first.records]
 
 

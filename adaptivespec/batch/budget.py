@@ -147,14 +147,18 @@ class RowBudget:
 
     def step_done(self, *, seconds_ms: float, rows: int, context: float, requests: int, decoders: int,
                   tokens: int, draft_rows: int, prompt_rows: int = 0, drafting: int | None = None,
-                  drafted_tokens: int | None = None, smoothing: float = 0.2) -> None:
+                  drafted_tokens: int | None = None, switch_ms: float = 0.0, smoothing: float = 0.2) -> None:
         """What the step just run measured: its wall time, rows, tokens emitted by its decoders.
         A step that also read ``prompt_rows`` rows of prompts does not move the overheads (its
         chunks attend over their own long pasts, which the table does not price: on a 2-vCPU EPYC
         such steps had pushed the plain mode's overhead to 48 ms and made plain look dear).
         ``drafting`` of the decoders drafted (default: all), emitting ``drafted_tokens``: an exploring
         step that drafted for some of them teaches ``tau`` and the rows per request from those, and
-        not the overhead (its drafting cost is a part of a whole speculative step's)."""
+        not the overhead (its drafting cost is a part of a whole speculative step's). ``switch_ms``
+        of the step went into bringing heads up to date on rows plain steps left them: a cost of
+        switching modes, paid once, not of the speculative mode, so not learned as its overhead (at
+        one request on a 2-vCPU EPYC it had been: each exploring step after a plain run taught the
+        mode a dearer step, and the budget stayed in plain steps where speculating paid 4%)."""
         if not decoders:
             return
         drafting = decoders if drafting is None else drafting
@@ -163,7 +167,7 @@ class RowBudget:
             table = float(self.costs.verify(padded_rows(rows), context, requests))
             # one step's excess is capped at the forward's price beyond the running mean: a stray pause
             # (another process, a page fault) moves the mean, it does not take it over
-            over = min(seconds_ms - table, self.overhead[self.mode] + table)
+            over = min(seconds_ms - switch_ms - table, self.overhead[self.mode] + table)
             self.overhead[self.mode] += smoothing * (over - self.overhead[self.mode])
         if self.mode and drafting:
             self.tau += smoothing * (drafted_tokens / drafting - self.tau)

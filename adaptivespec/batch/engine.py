@@ -153,6 +153,7 @@ class BatchEngine:
         self._lock = threading.Lock()
         self.slab: KVSlab | None = None
         self._plain = False  # the step in flight drafts nothing (the row budget's choice)
+        self._switch_ms = 0.0  # of the step in flight: the heads catching up on rows plain steps left
         self.prefix: PrefixCache | None = None
         self._flush = False  # flush_prefix was asked: the pool is emptied before the next step
         if bc.prefix_cache_mb:
@@ -315,7 +316,8 @@ class BatchEngine:
                                   draft_rows=sum(it.tree.size - 1 for it in items),
                                   prompt_rows=sum(c.end - c.start for c in plan.chunks),
                                   drafting=sum(it.proposal is not None for it in items),
-                                  drafted_tokens=sum(it.emitted for it in items if it.proposal is not None))
+                                  drafted_tokens=sum(it.emitted for it in items if it.proposal is not None),
+                                  switch_ms=self._switch_ms)
         self.last = StepStats(requests=len(self.running) + len(ended), decoders=len(items),
                               draft_ms=draft_ms, budget_ms=(t_budget - t0) * 1e3 - draft_ms,
                               verify_ms=(t_verify - t_budget) * 1e3, commit_ms=(t_end - t_verify) * 1e3,
@@ -335,6 +337,7 @@ class BatchEngine:
         r.lane, r.status, r.started = lane, Status.PREFILL, time.perf_counter()
         lane.step, lane.depth_cap = 0, 0
         lane.pending.clear()
+        lane.kept_rows = None
         sampler = lane.default_sampler
         if r.sampling is not None:
             s = r.sampling
@@ -358,8 +361,10 @@ class BatchEngine:
     def _reuse(self) -> bool:
         """Requests holding a lane that have not read any of their prompts yet take what the prefix
         cache keeps of them: its keys and values into the lane's cache, the head's rows for it
-        pending. Asked again at every step until their first chunk runs (a prompt another request
-        reads meanwhile is kept once read). Returns whether any took something."""
+        (``lane.kept_rows``) to go with its first chunk's (so the head follows them, or leaves them
+        pending, as it would have followed the prompt read whole). Asked again at every step until
+        their first chunk runs (a prompt another request reads meanwhile is kept once read). Returns
+        whether any took something."""
         hit = False
         for r in self.running:
             if r.status is not Status.PREFILL or r.prefilled:
@@ -368,9 +373,8 @@ class BatchEngine:
             n, states = self.prefix.load(r.prompt, lane.engine.runtime.cache)
             r.prefilled = r.cached = n
             if n and states is not None:
-                lane.states[:n] = states
-                lane.pending.append((torch.tensor(r.prompt[1:n + 1], dtype=torch.long, device=self.device), states,
-                                     torch.arange(n, device=self.device)))
+                lane.kept_rows = (torch.tensor(r.prompt[1:n + 1], dtype=torch.long, device=self.device), states,
+                                  torch.arange(n, device=self.device))
             hit |= n > 0
         return hit
 
@@ -405,6 +409,7 @@ class BatchEngine:
     def _propose(self, plan: StepPlan) -> list[Item]:
         items = [Item(request=r) for r in plan.decoders]
         self._plain = False
+        self._switch_ms = 0.0
         if not self.speculative or not items:
             return items
         n = len(items)
@@ -413,7 +418,9 @@ class BatchEngine:
             self._plain = True
             return items  # a plain step: the roots alone
         drafting = self._explorers(items) if self.budget is not None and self.budget.exploring else items
+        t = time.perf_counter()
         self._catch_up([it.request.lane for it in drafting])
+        self._switch_ms = (time.perf_counter() - t) * 1e3
         stale = [it.request.lane.engine.runtime for it in drafting if it.request.lane.engine.runtime.root_logp is None]
         if stale:  # heads that followed plain steps: their draft distributions, in one pass
             logp = self.drafter.log_probs(torch.stack([rt.root_state for rt in stale]))
@@ -579,8 +586,11 @@ class BatchEngine:
                 rt.P = c.end
                 nxt = nxt + [int(rt.root)]
             if fused is not None:
-                follow.append((lane, torch.tensor(nxt, dtype=torch.long, device=self.device), fused[row:row + n],
-                               torch.arange(c.start, c.end, device=self.device)))
+                rows = (torch.tensor(nxt, dtype=torch.long, device=self.device), fused[row:row + n],
+                        torch.arange(c.start, c.end, device=self.device))
+                if lane.kept_rows is not None:  # the prefix taken from the cache goes first
+                    rows, lane.kept_rows = tuple(torch.cat(p) for p in zip(lane.kept_rows, rows)), None
+                follow.append((lane, *rows))
             row += n
         first_tokens = [c.request for c in plan.chunks if c.last]
         greedy = self._greedy_rows(items, logits)

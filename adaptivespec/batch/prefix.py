@@ -10,10 +10,11 @@ with it.
 What is kept per sequence: its tokens, the target's keys and values for them and, for a config with
 a draft head, the head's input state per position (the fused hidden states of the target's layers it
 reads). A request that starts from a kept prefix copies the keys and values into its lane's cache and
-hands the head the rows it would have run itself: they wait in the lane's pending rows and run when
-it next drafts (:meth:`BatchEngine._catch_up <adaptivespec.batch.engine.BatchEngine._catch_up>`), as
-rows skipped in plain steps do, so what it drafts is what it would have drafted after reading the
-whole prompt. At most ``len(prompt) - 1`` positions come from the cache: the prompt's last row runs,
+hands the head the rows it would have run itself, with those of the first chunk it reads: the head
+follows them in that step or, in a plain step, they wait with the lane's pending rows until it next
+drafts, as a prompt read whole would, so what it drafts is what it would have drafted after reading
+the whole prompt (and the row budget, which learns from the steps without prompt chunks, does not
+see them). At most ``len(prompt) - 1`` positions come from the cache: the prompt's last row runs,
 its logits give the first token. A finished request keeps the positions it committed: the tokens
 of its last step (it ended before committing them) are read again by a next turn.
 

@@ -129,6 +129,9 @@ class Lane:
     pending: list = attrs.Factory(list)
     """Rows the draft head has yet to run: ``(tokens, states, positions)`` of steps that drafted
     nothing; run in one pass before the lane drafts again (:meth:`BatchEngine._catch_up`)."""
+    kept_rows: Any = None
+    """The head's rows ``(tokens, states, positions)`` of a prompt prefix taken from the prefix
+    cache, run (or left pending) with the prompt's first chunk read (:meth:`BatchEngine._reuse`)."""
     states: Any = None
     """[capacity, H] the draft head's input state at each position of the lane's sequence, kept for
     the prefix cache (None: no cache or no head)."""
