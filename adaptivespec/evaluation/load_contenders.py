@@ -156,8 +156,7 @@ class TorchLoad(LoadContender):
                 reply.running.append(None)
             if obj.get("usage"):
                 reply.total = int(obj["usage"].get("completion_tokens") or 0)
-                cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-                reply.cached_tokens = None if cached is None else int(cached)
+                reply.cached_tokens = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
         reply.done = time.perf_counter()
         return reply
 
@@ -194,8 +193,7 @@ class SGLangLoad(LoadContender):
             meta = obj.get("meta_info") or {}
             reply.times.append(t)
             reply.running.append(int(meta.get("completion_tokens") or 0))
-            if meta.get("cached_tokens") is not None:
-                reply.cached_tokens = int(meta["cached_tokens"])
+            reply.cached_tokens = meta.get("cached_tokens", reply.cached_tokens)
         reply.done = time.perf_counter()
         reply.total = reply.running[-1] if reply.running else 0
         return reply
