@@ -73,9 +73,9 @@ class BatchConfig:
     prefill_stall: float = attrs.field(default=1.8, validator=number_in(1, None, lo_open=True))
     """With ``prefill_rows: 0``: how much slower than without it a step that also reads a prompt chunk may be."""
     prefix_cache_mb: int = attrs.field(default=512, validator=int_at_least(0))
-    """Memory (MiB, taken when the engine starts) for finished requests' sequences: a prompt that
-    starts with one (a chat's next turn, a shared system prompt, the same prompt again) reads only the
-    rest; least recently used out (:mod:`adaptivespec.batch.prefix`). 0: none kept."""
+    """Memory (MiB, taken when the engine starts) for the prompts read and the sequences finished: a
+    prompt that starts with one (a chat's next turn, a shared system prompt, the same prompt again)
+    reads only the rest; least recently used out (:mod:`adaptivespec.batch.prefix`). 0: none kept."""
 
 
 @attrs.frozen(kw_only=True)

@@ -3,9 +3,9 @@ starts with an earlier request's tokens reads only the rest of it.
 
 A chat's next turn resends the whole conversation, every request of an application starts with the
 same system prompt, an evaluation sends the same prompt again: llama-server keeps such prompts
-(``--cache-ram``), SGLang in its radix cache, vLLM by hashed blocks. Here a request's prompt is kept once it has been read, its whole sequence (prompt and answer) when it
-ends, and a request about to read its prompt takes the kept sequence that shares the longest prefix
-with it.
+(``--cache-ram``), SGLang in its radix cache, vLLM by hashed blocks. Here a request's prompt is
+kept once it has been read, its whole sequence (prompt and answer) when it ends, and a request about
+to read its prompt takes the kept sequence that shares the longest prefix with it.
 
 What is kept per sequence: its tokens, the target's keys and values for them and, for a config with
 a draft head, the head's input state per position (the fused hidden states of the target's layers it
@@ -20,8 +20,8 @@ of its last step (it ended before committing them) are read again by a next turn
 
 Memory: one pool of ``batch.prefix_cache_mb``, taken when the engine is built and written when a
 server starts (:meth:`PrefixCache.resident`: its memory at its high-water mark before the first
-request), in blocks of :data:`BLOCK` positions; when a sequence does
-not fit, the least recently used ones leave. Worked example with BLOCK 16: a kept 40-token sequence
+request), in blocks of :data:`BLOCK` positions; when a sequence does not fit, the least recently
+used ones leave. Worked example with BLOCK 16: a kept 40-token sequence
 holds blocks ``[7, 3, 9]``, its positions at pool slots ``7*16 .. 7*16+15, 3*16 .. 3*16+15,
 9*16 .. 9*16+7``; a prompt sharing its first 30 tokens gets those 30 positions.
 """
@@ -49,8 +49,7 @@ class Kept:
     tokens: np.ndarray
     """[n] its token ids."""
     blocks: list[int]
-    slots: torch.Tensor
-    """[n] the pool slot of each position."""
+    """The pool's blocks holding its positions, in order (:meth:`PrefixCache._slots`)."""
 
 
 class PrefixCache:
@@ -118,7 +117,7 @@ class PrefixCache:
         if key is None or n < MIN_REUSE:
             return 0, None
         self.kept.move_to_end(key)
-        slots = self.kept[key].slots[:n]
+        slots = self._slots(self.kept[key].blocks, n)
         for i, layer in enumerate(cache.layers):
             layer.update(self.k[i].index_select(1, slots).unsqueeze(0), self.v[i].index_select(1, slots).unsqueeze(0))
         return n, (self.states.index_select(0, slots) if self.states is not None else None)
@@ -154,7 +153,7 @@ class PrefixCache:
             self.v[i].index_copy_(1, new, layer.values[0, :, start:n])
         if self.states is not None:
             self.states.index_copy_(0, new, states[start:n])
-        self.kept[next(self._ids)] = Kept(tokens=t, blocks=blocks, slots=slots)
+        self.kept[next(self._ids)] = Kept(tokens=t, blocks=blocks)
         return True
 
     def _slots(self, blocks: list[int], n: int) -> torch.Tensor:

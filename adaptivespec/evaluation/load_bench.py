@@ -200,8 +200,7 @@ def markdown(results: dict[str, Any]) -> str:
                   "| contender | " + " | ".join(f"{c}" for c in levels) + " |", "|---|" + "---:|" * len(levels)]
         for name in results["contenders"]:
             vals = [shares.get((name, c)) for c in levels]
-            lines.append(f"| `{name}` | " + " | ".join(_num(None if v is None else 100 * v, ".0f") + ("%" if v is not None else "")
-                                                      for v in vals) + " |")
+            lines.append(f"| `{name}` | " + " | ".join("–" if v is None else f"{100 * v:.0f}%" for v in vals) + " |")
     if results.get("skipped"):
         lines += ["", "Left out: " + "; ".join(f"`{n}`: {why}" for n, why in results["skipped"].items()) + "."]
     return "\n".join(lines) + "\n"
