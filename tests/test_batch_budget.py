@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -239,6 +240,35 @@ def test_drafting_is_weighed_by_what_it_adds_against_plain_steps():
     assert speculating(3.0, 40).mode and not speculating(1.5, 40).mode
     spec, plain = RowBudget.predicted_rates(speculating(1.5, 40), 4, 40, 128.0, 5)
     assert spec == pytest.approx(2 / 12) and plain == pytest.approx(4 / 13)
+
+
+def test_the_heads_rows_to_run_first_are_a_cost_of_drafting():
+    """As above, tau 3 without prompt rows: drafting adds 8 tokens for 16 ms (0.5/ms against 0.308)
+    and drafts. If the heads must first run 200 rows (prompts just read, or rows plain steps left
+    them behind on; one head pass over them: 0.1 ms a row, 20 ms), it adds 8 for 36 ms (0.222): plain."""
+    costs = attrs.evolve(linear(1.0), draft_rows=(1, 101), draft=(0.1, 10.1))
+    b = RowBudget(costs, max_rows=512)
+    b.tau, b.rows_per_request, b.overhead = 3.0, 2.0, {True: 4.0, False: 0.0}
+    assert b.speculate(4, 4, 128.0, 4)
+    spec, plain = b.predicted_rates(4, 4, 128.0, 4, head_rows=200)
+    assert spec == pytest.approx(8 / 36) and plain == pytest.approx(4 / 13)
+    assert not b.speculate(4, 4, 128.0, 4, head_rows=200)
+
+
+def test_beside_prompt_rows_a_node_must_pay_what_its_rows_buy_in_plain_steps():
+    """2 decoders and 46 prompt rows: 48 rows, 57 ms; any drafted row makes it 56 rows, 65 ms. Nodes
+    of S 0.3, 0.25, 0.2, 0.1, 0.05 bring 0.9 tokens for those 8 ms (0.11/ms), where plain steps of
+    the 2 decoders make 2 / verify(2) = 2/11 = 0.18/ms: none is verified. The step's own rate, its
+    prompt rows in it, verified them all (2.9/65 = 0.045 against 2/57 = 0.035). Without prompt rows
+    the same nodes pay (2.3/12 = 0.192 against 2/11 = 0.182 for the first) and the goodput rule keeps them."""
+    low = [[1.0, 0.3, 0.2, 0.1], [1.0, 0.25, 0.05]]
+    c = choose(RowBudget(linear(1.0), max_rows=512), low, DEPTHS, base_rows=48, requests=3)
+    assert c.rows == 0 and [k.tolist() for k in c.keep] == [[0], [0]]
+    assert choose(RowBudget(linear(1.0), max_rows=512), low, DEPTHS).rows > 0
+    # nodes that pay beside the prompt rows still go: S 0.9 and 0.8 bring 1.7 for 8 ms (0.21/ms)
+    c = choose(RowBudget(linear(1.0), max_rows=512), [[1.0, 0.9, 0.2, 0.1], [1.0, 0.8, 0.05]], DEPTHS, base_rows=48,
+               requests=3)
+    assert c.rows == 5  # the bucket's other rows ride along, free
 
 
 def test_exploring_steps_wait_for_a_step_without_prompt_rows_and_joins_scale_the_backoff():

@@ -110,25 +110,32 @@ class RowBudget:
         self.exploring = False
 
     # -- draft or not ---------------------------------------------------------------------------------
-    def predicted_rates(self, decoders: int, base_rows: int, context: float, requests: int) -> tuple[float, float]:
+    def predicted_rates(self, decoders: int, base_rows: int, context: float, requests: int,
+                        head_rows: int = 0) -> tuple[float, float]:
         """(speculative, plain) tokens per ms predicted for a step of ``decoders`` decoding requests
-        and ``base_rows`` rows (their roots and any prompt chunks) among ``requests``.
+        and ``base_rows`` rows (their roots and any prompt chunks) among ``requests``; ``head_rows``:
+        rows the draft head would have to run first if the step drafted (what plain steps left it
+        behind on, prompt chunks), priced as one head pass over them.
 
         The speculative rate is the *marginal* one: the tokens speculating adds (``tau - 1`` per
         decoder) per millisecond it adds to this step; the plain rate is what those milliseconds buy
         in plain decoding steps of the same decoders (no prompt rows). Without prompt rows this is
         the comparison of the two steps' rates; with them, the prompt rows are paid in either mode
         and no longer make the draft rows look cheap (on a 2-vCPU EPYC at 16 users, the steps that
-        read prompts drafted and spent 11-13 s of a 15 s run where plain decoding spent 6-8)."""
+        read prompts drafted and spent 11-13 s of a 15 s run where plain decoding spent 6-8). The
+        head's rows are a cost of drafting in this step: unpriced, at 16 users the steps right after
+        prompts were read drafted, their heads first running 9 prompts' rows (106 ms of a 290 ms
+        step); left to plain steps, they are run only if that request drafts again."""
         c, n = self.costs, decoders
         plain_ms = c.verify(padded_rows(base_rows), context, requests) + self.overhead[False]
-        spec_ms = c.verify(padded_rows(base_rows + n * self.rows_per_request), context, requests) + self.overhead[True]
+        spec_ms = (c.verify(padded_rows(base_rows + n * self.rows_per_request), context, requests) + self.overhead[True]
+                   + (c.draft_level(head_rows) if head_rows else 0.0))
         decode_ms = c.verify(padded_rows(n), context, n) + self.overhead[False] if base_rows > n else plain_ms
         return n * (self.tau - 1) / max(spec_ms - plain_ms, 1e-3), n / max(decode_ms, 1e-3)
 
-    def speculate(self, decoders: int, base_rows: int, context: float, requests: int) -> bool:
+    def speculate(self, decoders: int, base_rows: int, context: float, requests: int, head_rows: int = 0) -> bool:
         """Whether the coming step drafts (see the module's text); remembered for :meth:`step_done`."""
-        spec, plain = self.predicted_rates(decoders, base_rows, context, requests)
+        spec, plain = self.predicted_rates(decoders, base_rows, context, requests, head_rows)
         # exploring waits for a step without prompt chunks: one with them measures little of the mode
         # (its overheads are not learned) and is the dearest step to draft in
         self.exploring = spec <= plain and self.plain_run >= self.explore_every and requests == decoders
@@ -205,8 +212,14 @@ class RowBudget:
         # cost nothing more and the ranking fills them (priced linearly, the budget cut a tree of 16
         # rows to 9 that ran as 16: one request on a 2-vCPU EPYC took 57 steps for 128 tokens, not 48)
         cost = self.costs.verify(padded_rows(base_rows + np.arange(room + 1)), context, requests) + draft_ms
-        rate = gain / cost
-        B = int(np.argmax(rate))  # the first maximum: fewer rows on a tie
+        if base_rows > decoders:
+            # prompt rows in the step: a node is worth its row when it brings more than the row's time
+            # buys in plain steps of these decoders (the step's own rate, its prompt rows in it, made
+            # every row look cheap: at 16 users on a 2-vCPU EPYC such steps verified nodes of S 0.05)
+            plain = decoders / (float(self.costs.verify(padded_rows(decoders), context, decoders)) + self.overhead[False])
+            B = int(np.argmax(gain - plain * (cost - cost[0])))  # the first maximum: fewer rows on a tie
+        else:
+            B = int(np.argmax(gain / cost))  # the first maximum: fewer rows on a tie
         chosen = order[:B]
         keep = []
         for j, s in enumerate(scores):

@@ -414,7 +414,7 @@ class BatchEngine:
             return items
         n = len(items)
         if self.budget is not None and not self.budget.speculate(n, plan.rows, self._context(items),
-                                                                 n + len(plan.chunks)):
+                                                                 n + len(plan.chunks), self._head_rows(plan, items)):
             self._plain = True
             return items  # a plain step: the roots alone
         drafting = self._explorers(items) if self.budget is not None and self.budget.exploring else items
@@ -438,6 +438,19 @@ class BatchEngine:
             it.proposal = it.request.lane.engine.proposer.fuse(it.shape, trees.get(id(it)))
             it.tree = it.proposal.tree
         return items
+
+    def _head_rows(self, plan: StepPlan, items: Sequence[Item]) -> int:
+        """Rows the draft head would run if this step drafted for every decoder: those plain steps
+        left it behind on, and the step's prompt chunks (with their prefixes from the cache) where it
+        is up to date (see :meth:`_commit`); in a plain step they wait."""
+        if self.drafter is None:
+            return 0
+        n = sum(part[0].shape[0] for it in items for part in it.request.lane.pending)
+        for c in plan.chunks:
+            lane = c.request.lane
+            if not lane.pending:
+                n += c.end - c.start + (lane.kept_rows[0].shape[0] if lane.kept_rows is not None else 0)
+        return n
 
     def _explorers(self, items: list[Item]) -> list[Item]:
         """The requests an exploring step drafts for: one per :data:`EXPLORE_GROUP` decoders, taking
