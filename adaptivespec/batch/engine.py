@@ -445,7 +445,11 @@ class BatchEngine:
         is up to date (see :meth:`_commit`); in a plain step they wait."""
         if self.drafter is None:
             return 0
-        n = sum(part[0].shape[0] for it in items for part in it.request.lane.pending)
+        n = 0
+        for it in items:  # a lane's pending rows are consecutive positions: first to last, not entry by entry
+            pending = it.request.lane.pending
+            if pending:
+                n += int(pending[-1][2][-1]) - int(pending[0][2][0]) + 1
         for c in plan.chunks:
             lane = c.request.lane
             if not lane.pending:
