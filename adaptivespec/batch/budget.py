@@ -130,8 +130,13 @@ class RowBudget:
         plain_ms = c.verify(padded_rows(base_rows), context, requests) + self.overhead[False]
         spec_ms = (c.verify(padded_rows(base_rows + n * self.rows_per_request), context, requests) + self.overhead[True]
                    + (c.draft_level(head_rows) if head_rows else 0.0))
-        decode_ms = c.verify(padded_rows(n), context, n) + self.overhead[False] if base_rows > n else plain_ms
+        decode_ms = self._decode_ms(n, context) if base_rows > n else plain_ms
         return n * (self.tau - 1) / max(spec_ms - plain_ms, 1e-3), n / max(decode_ms, 1e-3)
+
+    def _decode_ms(self, decoders: int, context: float) -> float:
+        """A plain step of ``decoders`` decoding requests and nothing else: the table's forward and
+        the plain mode's overhead (what a step's draft or prompt rows are weighed against)."""
+        return float(self.costs.verify(padded_rows(decoders), context, decoders)) + self.overhead[False]
 
     def speculate(self, decoders: int, base_rows: int, context: float, requests: int, head_rows: int = 0) -> bool:
         """Whether the coming step drafts (see the module's text); remembered for :meth:`step_done`."""
@@ -216,8 +221,8 @@ class RowBudget:
             # prompt rows in the step: a node is worth its row when it brings more than the row's time
             # buys in plain steps of these decoders (the step's own rate, its prompt rows in it, made
             # every row look cheap: at 16 users on a 2-vCPU EPYC such steps verified nodes of S 0.05)
-            plain = decoders / (float(self.costs.verify(padded_rows(decoders), context, decoders)) + self.overhead[False])
-            B = int(np.argmax(gain - plain * (cost - cost[0])))  # the first maximum: fewer rows on a tie
+            plain_rate = decoders / self._decode_ms(decoders, context)
+            B = int(np.argmax(gain - plain_rate * (cost - cost[0])))  # the first maximum: fewer rows on a tie
         else:
             B = int(np.argmax(gain / cost))  # the first maximum: fewer rows on a tie
         chosen = order[:B]
