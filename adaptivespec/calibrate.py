@@ -177,8 +177,8 @@ def calibrate_batch(config) -> int:
     from adaptivespec.decode import Engine
 
     engine = Engine(config)
-    table = load_or_measure(engine.target, engine.runtime.drafter, config.model.target, config.runtime.dtype,
+    table = load_or_measure(engine.target, engine.runtime.drafter, config.model.target, config.runtime.precision,
                             engine.runtime.dtype, engine.runtime.device, remeasure=True)
     print(f"calibrate --batch: {table.summary()}")
-    print(f"calibrate --batch: wrote {cost_path(machine_key(config.model.target, config.runtime.dtype))}")
+    print(f"calibrate --batch: wrote {cost_path(machine_key(config.model.target, config.runtime.precision))}")
     return 0

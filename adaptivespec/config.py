@@ -19,7 +19,7 @@ import attrs
 import yaml
 
 from adaptivespec.errors import ConfigError, UnknownStrategyError
-from adaptivespec.params import int_at_least, number_in, one_of, positive_int, structure
+from adaptivespec.params import as_tuple, int_at_least, number_in, one_of, positive_int, structure
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.response_format import ResponseFormat
 
@@ -46,9 +46,24 @@ class RuntimeConfig:
     """Weights and activations dtype."""
     threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     """torch intra-op threads (null: torch's default)."""
+    quantization: str = attrs.field(default="none", validator=one_of("none", "int8"))
+    """``none``: the target runs in ``dtype``; ``int8``: W8A8 (int8 weights per output channel, int8
+    activations per row, int32 sums: :mod:`adaptivespec.fastpath.int8`), the rest of the forward in
+    ``dtype``. Lossless configs then reproduce the int8 target's own greedy decoding, in any batch."""
+    quantization_keep: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
+    """With ``quantization: int8``: linear layers left in ``dtype``, by the end of their name
+    (``lm_head``, ``down_proj``, ``layers.0.mlp.down_proj``); [] quantizes every one."""
     prefill_chunk: int = attrs.field(default=1024, validator=int_at_least(0))
     """Prompt tokens per prefill forward (0: the whole prompt in one): a long prompt runs in chunks
     of this many tokens, so a prefill's activations stay bounded whatever the prompt's length."""
+
+    @property
+    def precision(self) -> str:
+        """What the target computes in: ``dtype``, or ``int8-<dtype>`` (``...-keep-<layers>`` where some
+        stay in ``dtype``): the key of measured cost tables (a table of one is never used for another)."""
+        if self.quantization == "none":
+            return self.dtype
+        return "-".join([self.quantization, self.dtype] + (["keep", *self.quantization_keep] if self.quantization_keep else []))
 
 
 @attrs.frozen(kw_only=True)

@@ -141,8 +141,12 @@ def attention_unsupported(config) -> str | None:
     return None
 
 
-def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, decoding: bool = False):
+def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, decoding: bool = False,
+                quantization: str = "none", keep: tuple[str, ...] = ()):
     """(model, tokenizer) for ``model.target``; never downloads (local folders or the HF cache).
+
+    ``quantization="int8"``: the linear layers (but those named in ``keep``) become W8A8
+    (:func:`adaptivespec.fastpath.int8.quantize_linears`); CPUs only.
 
     ``decoding``: the model is for the engine's runtime, so a layer kind it cannot decode exactly
     (:func:`attention_unsupported`) is refused here, from the config, before the weights load."""
@@ -173,6 +177,12 @@ def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, de
     except (RuntimeError, AssertionError) as exc:
         raise ModelLoadError(f"runtime.device: cannot use {device!r}: {str(exc).splitlines()[0]}") from None
     model.requires_grad_(False)
+    if quantization == "int8":
+        if model.device.type != "cpu":
+            raise ModelLoadError(f"runtime.quantization: int8 runs on CPUs (oneDNN's int8 kernels); got runtime.device {device!r}")
+        from adaptivespec.fastpath.int8 import quantize_linears
+
+        quantize_linears(model, keep)
     return model, tok
 
 

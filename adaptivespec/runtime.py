@@ -101,7 +101,7 @@ class TorchRuntime:
         runtime = getattr(config, "runtime", None)
         self.prefill_chunk = getattr(runtime, "prefill_chunk", 0) or 0
         """Prompt tokens per prefill forward (0: the whole prompt at once)."""
-        self._names = (getattr(getattr(config, "model", None), "target", None), getattr(runtime, "dtype", None))
+        self._names = (getattr(getattr(config, "model", None), "target", None), getattr(runtime, "precision", None))
 
     def cost_table(self):
         """This machine's measured step costs for the target (and head) at the runtime's dtype, or

@@ -95,6 +95,10 @@ def test_overrides_apply_with_validation():
                      "model.drafter: '/no/such/dir' is not a folder", marks=pytest.mark.model),  # the target loads first
         (["generate", "--config", AR, "--prompt", "hi", "--set", "model.target=/no/such/model"], "model.target: cannot load '/no/such/model'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization=int4"],
+         "runtime.quantization: expected one of none, int8, got 'int4'"),
+        (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization=int8",
+          "--set", "runtime.device=cuda"], "runtime.quantization: int8 runs on CPUs"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(capsys, argv, expected):

@@ -139,7 +139,7 @@ class BatchEngine:
         self.budget: RowBudget | None = None
         goodput = bc.row_budget == "goodput" and self.speculative
         if costs is None and (goodput or measure):
-            costs = load_or_measure(self.target, self.drafter, config.model.target, config.runtime.dtype,
+            costs = load_or_measure(self.target, self.drafter, config.model.target, config.runtime.precision,
                                     first.runtime.dtype, self.device, log=log)
         if goodput:
             self.budget = RowBudget(costs, bc.max_rows)

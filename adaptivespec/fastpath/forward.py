@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from adaptivespec.fastpath.int8 import Int8Linear, Int8Weight, quantization_of
 from adaptivespec.fastpath.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
 from adaptivespec.models import attention_unsupported
 
@@ -198,14 +199,20 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return qk * cos + rot * sin
 
 
-def pack(mods, dtype, sgl) -> PackedWeight:
+def pack(mods, dtype, sgl) -> PackedWeight | Int8Weight:
     """One packed matmul for the linear layers ``mods`` side by side (their weights, and biases where
-    any has one, concatenated along the outputs)."""
-    weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+    any has one, concatenated along the outputs). Int8 layers (:class:`~adaptivespec.fastpath.int8.Int8Linear`,
+    all or none of ``mods``) give one :class:`~adaptivespec.fastpath.int8.Int8Weight`: their int8 rows
+    and per-channel scales side by side compute what each computes alone."""
     bias = None
     if any(getattr(m, "bias", None) is not None for m in mods):
         bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype)
                           for m in mods])
+    if any(isinstance(m, Int8Linear) for m in mods):
+        if not all(isinstance(m, Int8Linear) for m in mods):
+            raise ValueError("fused projections mix int8 and float layers: keep all of q/k/v (or gate/up) or none")
+        return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias)
+    weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
     return PackedWeight(weight, bias, sgl)
 
 
@@ -223,6 +230,7 @@ class FastLlama:
         self.model = model
         self.sgl = sgl
         self.backend = "sgl_kernel" if sgl is not None else "onednn"
+        self.quantization = quantization_of(model)
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads

@@ -1,0 +1,157 @@
+"""An int8 target (W8A8) for CPUs: int8 weights per output channel, int8 activations per row, int32 sums.
+
+``runtime.quantization: int8`` replaces the target's linear layers (every projection and the LM head;
+those named in ``runtime.quantization_keep`` stay in the model's dtype) with :class:`Int8Linear`:
+
+- **weights** rounded once to int8 with one scale per output channel (``w ~ qw * sw``, ``|qw| <= 127``);
+- **activations** rounded to int8 at each matmul's input with one scale per row (``x ~ qx * sx``),
+  computed from the row alone (its largest magnitude / 127);
+- the product ``qx . qw`` summed in int32 by a VNNI kernel (oneDNN's ``qlinear``, the weight laid out
+  once), then ``y = float(acc) * sw * sx`` in float32 and rounded to the model's dtype.
+
+Integer sums do not depend on the order they are added in, and every other step above reads one
+row only: a row's output is the same whatever else is in the matmul (one row, a verify tree, a
+batch of requests, a prompt chunk). That is what makes the int8 target *batch-invariant*: a strict
+verifier reproduces the int8 target's greedy decoding of a prompt alone, in any batch.
+
+The float reference (:func:`reference_linear`) sums the same integers in float64 (exact for any
+K this runs), so tests check the kernel bit for bit, not within a tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+QUANTIZATIONS = ("none", "int8")
+"""``runtime.quantization`` values."""
+
+_QLINEAR = getattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise", None)
+
+
+def kernel_name() -> str:
+    """The int32 matmul this build runs: ``onednn`` (VNNI / AMX-INT8 through oneDNN's prepacked
+    ``qlinear``) or ``reference`` (float64 sums: exact, slow; where torch has no oneDNN)."""
+    return "onednn" if _QLINEAR is not None and torch.backends.mkldnn.is_available() else "reference"
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] -> (int8 [N, K], float32 scales [N]): symmetric, one scale per output channel."""
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x`` [M, K] -> (uint8 [M, K] holding ``qx + 128``, float32 ``max |x|`` per row [M, 1]).
+
+    One scale per row from that row alone (``max |x| / 127``; the 1/127 is folded into the weight
+    scales, :class:`Int8Weight`); ``qx = floor(x * (127 / max|x|) + 0.5)``, so ``|qx| <= 127``; a row
+    of zeros (a padded row) quantizes to zeros. Each op here is elementwise and correctly rounded
+    or an exact reduction, so a row's result does not depend on the other rows."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(1e-30)
+    q = torch.mul(x, amax.reciprocal().mul_(127.0)).add_(128.5).to(torch.uint8)  # floor(v + 128.5) = round-half-up(v) + 128
+    return q, amax
+
+
+class Int8Weight:
+    """A W8A8 matmul: call it on ``x`` [M, K] (any float dtype) -> [M, N] in ``x``'s dtype:
+    ``y = float32(int32 sum of qx * qw) * (sw / 127) * max|x|`` (+ bias), rounded to ``x``'s dtype.
+
+    ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None."""
+
+    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features")
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.qweight = qweight.contiguous()
+        self.scale = scale.float().div(127.0).contiguous()  # sw / 127: the activations' 1/127 folded in
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features, self.in_features = self.qweight.shape
+        self.packed = None
+        if kernel_name() == "onednn" and self.qweight.device.type == "cpu":
+            self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            self.zero = torch.zeros(self.out_features, dtype=torch.int32)
+
+    def products(self, q: torch.Tensor) -> torch.Tensor:
+        """``(q - 128) . qweight`` per row, times the weight scales: float32 [M, N]."""
+        if self.packed is None:
+            return reference_products(q, self.qweight, self.scale)
+        # x_scale 1, zero point 128: the kernel sums (q - 128) * qw in int32 and scales by sw in float32
+        return _QLINEAR.default(q, 1.0, 128, self.packed, self.scale, self.zero, None, 1.0, 0, torch.float32,
+                                "none", [], "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, amax = quantize_rows(x)
+        y = self.products(q).mul_(amax)  # [M, N]: float(acc) * (sw / 127) * max|x|
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype)
+
+
+def reference_products(q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:meth:`Int8Weight.products` by float64 sums (exact: |sum| < 2^53), rounded as the kernel rounds
+    (int32 -> float32, then times the (already divided) scale)."""
+    acc = (q.double() - 128.0) @ qweight.double().t()
+    return acc.to(torch.int64).to(torch.float32).mul_(scale)
+
+
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """What :class:`Int8Weight` computes, in plain torch: the tests' float reference."""
+    q, amax = quantize_rows(x)
+    y = reference_products(q, qweight, scale.float() / 127.0).mul_(amax)
+    return (y if bias is None else y.add_(bias.float())).to(x.dtype)
+
+
+class Int8Linear(torch.nn.Module):
+    """``nn.Linear`` with int8 weights and per-row int8 activations (:class:`Int8Weight`)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        qweight, scale = quantize_weight(linear.weight)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.kernel = Int8Weight(qweight, scale, self.bias)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (``qweight * scale``) in float32: what the layer multiplies by."""
+        return self.qweight.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features))
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Projections the fused forward runs as one matmul: a ``keep`` naming one keeps its group."""
+
+
+def quantize_linears(model: torch.nn.Module, keep: Iterable[str] = ()) -> list[str]:
+    """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear` in place, except those
+    whose qualified name ends with one of ``keep`` (e.g. ``down_proj``, ``lm_head``); returns the
+    names replaced (naming one of q/k/v or gate/up keeps its group: :data:`FUSED`). A tied LM head is untied (the embedding stays in the model's dtype)."""
+    keep = set(keep)
+    for group in FUSED:  # the fused forward runs q|k|v and gate|up as one matmul: kept together
+        if any(k.endswith(g) for k in keep for g in group):
+            keep |= {k[: len(k) - len(g)] + other for k in keep for g in group if k.endswith(g) for other in group}
+    done = []
+    with torch.no_grad():
+        for name, child in list(model.named_modules()):
+            if type(child) is not torch.nn.Linear or any(name == k or name.endswith("." + k) for k in keep):
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, Int8Linear(child))
+            done.append(name)
+    if "lm_head" in done and getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+    model._adaptivespec_quantization = "int8"  # read by the fused forward, the cost tables, the engine
+    return done
+
+
+def quantization_of(model) -> str:
+    """``int8`` for a target :func:`quantize_linears` converted, else ``none``."""
+    return getattr(model, "_adaptivespec_quantization", "none")
