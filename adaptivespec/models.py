@@ -182,8 +182,46 @@ def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, de
             raise ModelLoadError(f"runtime.quantization: int8 runs on CPUs (oneDNN's int8 kernels); got runtime.device {device!r}")
         from adaptivespec.fastpath.int8 import quantize_linears
 
-        quantize_linears(model, keep)
+        quantize_linears(model, keep, act_max=int8_calibration(model, tok, target))
     return model, tok
+
+
+CALIBRATION = Path(__file__).resolve().parents[1] / "corpus" / "smollm2-135m-instruct-broad.jsonl.gz"
+"""Token ids of training-split prompts and answers (corpus/README.md): the int8 target's calibration."""
+
+
+def int8_calibration(model, tok, target: str, records: int = 32, tokens: int = 256):
+    """Each linear layer's largest input magnitude per channel over ``records`` sequences of the
+    shipped training corpus (SmoothQuant's calibration: :func:`adaptivespec.fastpath.int8.activation_maxima`),
+    measured once per target and cached beside the converted model; None (no smoothing) without the corpus."""
+    import gzip
+    import json
+    import re
+
+    import torch
+
+    from adaptivespec.fastpath.int8 import activation_maxima
+
+    path = cache_dir() / "int8" / (re.sub(r"[^A-Za-z0-9]+", "_", str(target)).strip("_") + f"-actmax-{records}x{tokens}.pt")
+    if path.is_file():
+        return torch.load(path)
+    if not CALIBRATION.is_file():
+        print(f"adaptivespec: no calibration corpus at {CALIBRATION}: int8 without smoothing", file=sys.stderr)
+        return None
+    with gzip.open(CALIBRATION, "rt") as f:
+        rows = [json.loads(line) for _, line in zip(range(records), f)]
+    seqs = [(r["prompt_ids"] + r["response_ids"])[:tokens] for r in rows]
+    if target != EMBEDDED:  # the corpus is in SmolLM2's ids: the same text in this target's
+        from transformers import AutoTokenizer
+
+        embedded = AutoTokenizer.from_pretrained(resolve_target(EMBEDDED), local_files_only=True)
+        seqs = [tok(embedded.decode(s), add_special_tokens=False)["input_ids"][:tokens] for s in seqs]
+    print(f"adaptivespec: calibrating the int8 target on {len(seqs)} training sequences (once, cached in {path.parent})",
+          file=sys.stderr)
+    maxima = activation_maxima(model, seqs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(maxima, path)
+    return maxima
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:

@@ -97,8 +97,6 @@ def test_overrides_apply_with_validation():
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization=int4"],
          "runtime.quantization: expected one of none, int8, got 'int4'"),
-        (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization=int8",
-          "--set", "runtime.device=cuda"], "runtime.quantization: int8 runs on CPUs"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(capsys, argv, expected):

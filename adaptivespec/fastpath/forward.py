@@ -211,7 +211,8 @@ def pack(mods, dtype, sgl) -> PackedWeight | Int8Weight:
     if any(isinstance(m, Int8Linear) for m in mods):
         if not all(isinstance(m, Int8Linear) for m in mods):
             raise ValueError("fused projections mix int8 and float layers: keep all of q/k/v (or gate/up) or none")
-        return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias)
+        return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias,
+                          mods[0].inv_smooth)  # one input: one set of smoothing factors for the group
     weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
     return PackedWeight(weight, bias, sgl)
 

@@ -61,9 +61,11 @@ class Int8Weight:
 
     ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None."""
 
-    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features")
+    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features", "smooth")
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 smooth: torch.Tensor | None = None) -> None:
+        self.smooth = smooth  # [K] or None: the input divided by the smoothing factors before quantizing
         self.qweight = qweight.contiguous()
         self.scale = scale.float().div(127.0).contiguous()  # sw / 127: the activations' 1/127 folded in
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -82,7 +84,7 @@ class Int8Weight:
                                 "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        q, amax = quantize_rows(x)
+        q, amax = quantize_rows(x if self.smooth is None else x * self.smooth)
         y = self.products(q).mul_(amax)  # [M, N]: float(acc) * (sw / 127) * max|x|
         if self.bias is not None:
             y.add_(self.bias)
@@ -106,50 +108,100 @@ def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights and per-row int8 activations (:class:`Int8Weight`)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None) -> None:
+        """``smooth`` [K]: SmoothQuant's factors ``s`` (:func:`smoothing`): the layer computes
+        ``(x / s) @ (w * s)^T``, the same product with the activations' outlier channels moved into the weights."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        qweight, scale = quantize_weight(linear.weight)
+        w = linear.weight.detach().float()
+        self.inv_smooth = None
+        if smooth is not None:
+            w = w * smooth[None, :]
+            self.inv_smooth = (1.0 / smooth).to(linear.weight.dtype)
+        qweight, scale = quantize_weight(w)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.kernel = Int8Weight(qweight, scale, self.bias)
+        self.kernel = Int8Weight(qweight, scale, self.bias, self.inv_smooth)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight (``qweight * scale``) in float32: what the layer multiplies by."""
-        return self.qweight.float() * self.scale[:, None]
+        """The dequantized weight (``qweight * scale / s``) in float32: what the layer multiplies by."""
+        w = self.qweight.float() * self.scale[:, None]
+        return w if self.inv_smooth is None else w * self.inv_smooth.float()[None, :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x.reshape(-1, self.in_features))
         return y.view(*x.shape[:-1], self.out_features)
 
 
+SMOOTH_ALPHA = 0.5
+"""SmoothQuant's migration strength (its paper's default for most models)."""
+
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections the fused forward runs as one matmul: a ``keep`` naming one keeps its group."""
 
 
-def quantize_linears(model: torch.nn.Module, keep: Iterable[str] = ()) -> list[str]:
+def quantize_linears(model: torch.nn.Module, keep: Iterable[str] = (), act_max: dict | None = None,
+                     alpha: float = SMOOTH_ALPHA) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear` in place, except those
     whose qualified name ends with one of ``keep`` (e.g. ``down_proj``, ``lm_head``); returns the
-    names replaced (naming one of q/k/v or gate/up keeps its group: :data:`FUSED`). A tied LM head is untied (the embedding stays in the model's dtype)."""
+    names replaced (naming one of q/k/v or gate/up keeps its group: :data:`FUSED`). ``act_max``:
+    each layer's largest input magnitude per channel (:func:`activation_maxima`), for SmoothQuant's
+    factors (:func:`smoothing`, shared by a fused group). A tied LM head is untied (the embedding
+    stays in the model's dtype)."""
     keep = set(keep)
     for group in FUSED:  # the fused forward runs q|k|v and gate|up as one matmul: kept together
         if any(k.endswith(g) for k in keep for g in group):
             keep |= {k[: len(k) - len(g)] + other for k in keep for g in group if k.endswith(g) for other in group}
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear
+               and not any(name == k or name.endswith("." + k) for k in keep)}
     done = []
     with torch.no_grad():
-        for name, child in list(model.named_modules()):
-            if type(child) is not torch.nn.Linear or any(name == k or name.endswith("." + k) for k in keep):
-                continue
+        for name, child in linears.items():
+            smooth = None
+            if act_max is not None and name in act_max:
+                prefix, _, last = name.rpartition(".")
+                group = next((g for g in FUSED if last in g), (last,))
+                mates = [linears.get(f"{prefix}.{other}" if prefix else other) for other in group]
+                wmax = torch.stack([m.weight.detach().float().abs().amax(0) for m in mates if m is not None]).amax(0)
+                smooth = smoothing(act_max[name].float(), wmax, alpha)
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int8Linear(child))
+            setattr(parent, attr, Int8Linear(child, smooth))
             done.append(name)
     if "lm_head" in done and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False
     model._adaptivespec_quantization = "int8"  # read by the fused forward, the cost tables, the engine
     return done
+
+
+def smoothing(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors ``s = max|x|^alpha / max|w|^(1 - alpha)`` (Xiao et al., 2023):
+    ``x / s`` has smaller outlier channels, ``w * s`` takes them, the product is unchanged."""
+    s = act_max.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
+    return s.clamp(1e-2, 1e2)
+
+
+@torch.inference_mode()
+def activation_maxima(model: torch.nn.Module, sequences: Iterable[list[int]]) -> dict[str, torch.Tensor]:
+    """Each ``nn.Linear``'s largest input magnitude per channel over ``sequences`` (token ids, one
+    forward each through the model's own modules): SmoothQuant's calibration."""
+    maxima: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear:
+            def hook(_, inputs, name=name):
+                a = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(0).float()
+                maxima[name] = a if name not in maxima else torch.maximum(maxima[name], a)
+            hooks.append(m.register_forward_pre_hook(hook))
+    try:
+        for ids in sequences:
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maxima
 
 
 def quantization_of(model) -> str:
