@@ -233,7 +233,7 @@ _SGLANG_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (scripts/install_sglang_cpu.sh)")
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed (install it with scripts/install_sglang_cpu.sh: a Xeon with AMX, or a CPU with AVX-512 bf16 such as an AMD EPYC)")
 def test_layouts_equal_sglangs_own_and_its_greedy_verify_walks_merged_trees():
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
     proc = subprocess.run([sys.executable, "-c", _SGLANG_CHECK], capture_output=True, text=True, env=env, timeout=300)

@@ -73,7 +73,7 @@ def test_other_backends_keep_their_verify():
     assert backend.forward_extend(K, K, K, LAYER, _batch(True, 1)) == "extend"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sgl_kernel") is None, reason="SGLang's CPU kernels (sgl_kernel) are not installed")
+@pytest.mark.skipif(importlib.util.find_spec("sgl_kernel") is None, reason="SGLang's CPU kernels (sgl_kernel) are not installed (scripts/install_sglang_cpu.sh: a Xeon with AMX, or a CPU with AVX-512 bf16 such as an AMD EPYC)")
 def test_the_cpu_decode_kernel_over_the_row_equals_the_one_token_extend():
     import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
 

@@ -61,7 +61,7 @@ PROMPTS = [
 
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (run scripts/install_sglang_cpu.sh on a Xeon with AMX)"
+        return "sglang is not installed (install it with scripts/install_sglang_cpu.sh: a Xeon with AMX, or a CPU with AVX-512 bf16 such as an AMD EPYC)"
     if platform.detect_device() == "cpu" and platform.cpu_refusal():
         return platform.cpu_refusal()
     try:
