@@ -36,6 +36,17 @@ class ModelConfig:
     """Registered drafter kind that loads ``drafter``."""
 
 
+def _groups(entries) -> dict[str, int]:
+    """``quantization_groups`` as {layer name: slices}; a malformed entry raises ValueError naming it."""
+    out = {}
+    for e in entries:
+        name, _, n = str(e).partition("=")
+        if not name or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"expected entries NAME=G with G a positive integer (e.g. down_proj=4), got {e!r}")
+        out[name] = int(n)
+    return out
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeConfig:
     name: str = "torch"
@@ -50,6 +61,10 @@ class RuntimeConfig:
     """``none``: the target runs in ``dtype``; ``int8``: W8A8 (int8 weights per output channel, int8
     activations per row, int32 sums: :mod:`adaptivespec.fastpath.int8`), the rest of the forward in
     ``dtype``. Lossless configs then reproduce the int8 target's own greedy decoding, in any batch."""
+    quantization_groups: tuple[str, ...] = attrs.field(default=(), converter=as_tuple, validator=lambda i, a, v: _groups(v))
+    """With ``quantization: int8``: ``name=G`` entries (``down_proj=4``): that layer's activations get a
+    scale per row and per each of G equal slices of its inputs (G int8 matmuls, added in order) instead
+    of one per row: finer scales where one per row costs quality (docs/int8.md)."""
     quantization_keep: tuple[str, ...] = attrs.field(default=(), converter=as_tuple)
     """With ``quantization: int8``: linear layers left in ``dtype``, by the end of their name
     (``lm_head``, ``down_proj``, ``layers.0.mlp.down_proj``); [] quantizes every one."""
@@ -63,7 +78,13 @@ class RuntimeConfig:
         stay in ``dtype``): the key of measured cost tables (a table of one is never used for another)."""
         if self.quantization == "none":
             return self.dtype
-        return "-".join([self.quantization, self.dtype] + (["keep", *self.quantization_keep] if self.quantization_keep else []))
+        return "-".join([self.quantization, self.dtype] + (["keep", *self.quantization_keep] if self.quantization_keep else [])
+                        + (["groups", *self.quantization_groups] if self.quantization_groups else []))
+
+    @property
+    def groups(self) -> dict[str, int]:
+        """``quantization_groups`` as {layer name: slices}."""
+        return _groups(self.quantization_groups)
 
 
 @attrs.frozen(kw_only=True)

@@ -46,9 +46,10 @@ def eos_ids(tokenizer, target) -> frozenset[int]:
 def load_models(config: Config, host) -> tuple[Any, Any, Any]:
     """(target, tokenizer, drafter or None), cached per process so several configs share one load."""
     rt = config.runtime
-    key = (config.model.target, rt.dtype, rt.device, rt.quantization, rt.quantization_keep)
+    key = (config.model.target, rt.dtype, rt.device, rt.quantization, rt.quantization_keep, rt.quantization_groups)
     if key not in _MODELS:
-        _MODELS[key] = load_target(*key[:3], decoding=True, quantization=rt.quantization, keep=rt.quantization_keep)
+        _MODELS[key] = load_target(*key[:3], decoding=True, quantization=rt.quantization, keep=rt.quantization_keep,
+                                   groups=rt.groups)
     target, tok = _MODELS[key]
     drafter = None
     if config.model.drafter is not None:

@@ -142,11 +142,12 @@ def attention_unsupported(config) -> str | None:
 
 
 def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, decoding: bool = False,
-                quantization: str = "none", keep: tuple[str, ...] = ()):
+                quantization: str = "none", keep: tuple[str, ...] = (), groups: dict[str, int] | None = None):
     """(model, tokenizer) for ``model.target``; never downloads (local folders or the HF cache).
 
     ``quantization="int8"``: the linear layers (but those named in ``keep``) become W8A8
-    (:func:`adaptivespec.fastpath.int8.quantize_linears`); CPUs only.
+    (:func:`adaptivespec.fastpath.int8.quantize_linears`; ``groups``: activation scales per slice of
+    K for the layers named); CPUs only.
 
     ``decoding``: the model is for the engine's runtime, so a layer kind it cannot decode exactly
     (:func:`attention_unsupported`) is refused here, from the config, before the weights load."""
@@ -182,7 +183,7 @@ def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, de
             raise ModelLoadError(f"runtime.quantization: int8 runs on CPUs (oneDNN's int8 kernels); got runtime.device {device!r}")
         from adaptivespec.fastpath.int8 import quantize_linears
 
-        quantize_linears(model, keep, act_max=int8_calibration(model, tok, target))
+        quantize_linears(model, keep, act_max=int8_calibration(model, tok, target), groups=groups)
     return model, tok
 
 

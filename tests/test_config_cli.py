@@ -97,6 +97,8 @@ def test_overrides_apply_with_validation():
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization=int4"],
          "runtime.quantization: expected one of none, int8, got 'int4'"),
+        (["generate", "--config", AR, "--prompt", "hi", "--set", "runtime.quantization_groups=[down_proj]"],
+         "runtime.quantization_groups: expected entries NAME=G with G a positive integer (e.g. down_proj=4), got 'down_proj'"),
     ],
 )
 def test_cli_errors_are_one_line_exit_2(capsys, argv, expected):

@@ -14,11 +14,14 @@ import pytest
 import torch
 
 from adaptivespec.config import load_config
+from adaptivespec.fastpath import native
 from adaptivespec.fastpath.int8 import (Int8Linear, Int8Weight, kernel_name, quantization_of, quantize_linears,
                                         quantize_rows, quantize_weight, reference_linear)
 
 ROOT = Path(__file__).parents[1]
 needs_kernel = pytest.mark.skipif(kernel_name() != "onednn", reason="torch built without oneDNN's int8 kernels")
+needs_native = pytest.mark.skipif(kernel_name() != "onednn" or native.ops() is None,
+                                  reason=f"the int8 target's C++ kernels did not build: {native.why_not()}")
 
 
 # -- the matmul ---------------------------------------------------------------------------------------
@@ -55,6 +58,77 @@ def test_kernel_is_its_reference_bit_for_bit_and_rows_do_not_see_each_other(k, n
 
 
 @needs_kernel
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_quantize_and_epilogue_are_the_torch_ops_bit_for_bit(dtype):
+    from adaptivespec.fastpath.int8 import scale_rows
+
+    torch.manual_seed(1)
+    x = (torch.randn(37, 576) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
+    x[5] = 0
+    smooth = torch.rand(576) + 0.5
+    for s in (None, smooth):
+        q0, a0 = quantize_rows(x, s)
+        q1, a1 = quantize_rows(x, s, native.ops())
+        assert torch.equal(q0, q1) and torch.equal(a0, a1)
+    y, bias = torch.randn(37, 960), torch.randn(960)
+    for b in (None, bias):
+        assert torch.equal(scale_rows(y.clone(), a0, b, dtype), scale_rows(y.clone(), a0, b, dtype, native.ops()))
+
+
+@needs_native
+def test_invariant_attention_is_attention_and_ignores_masked_and_trailing_keys():
+    """Against SDPA in float32; a row's output identical alone, among other rows, with masked keys
+    interleaved before its own and unused keys after them."""
+    torch.manual_seed(2)
+    H, Hkv, D, S = 9, 3, 64, 40
+    q = torch.randn(1, H, 6, D)
+    k, v = torch.randn(1, Hkv, S + 10, D), torch.randn(1, Hkv, S + 10, D)
+    ops = native.ops()
+    limit = torch.arange(S - 6, S)
+    causal = ops.attend(q[0], k[0, :, :S], v[0, :, :S], None, S - 6, limit, D ** -0.5)  # [6, H * D]
+    mask = torch.ones(6, S, dtype=torch.bool).tril(S - 6)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(causal, want[0].transpose(0, 1).reshape(6, H * D), atol=1e-5, rtol=1e-5)
+    last = ops.attend(q[0, :, 5:], k[0, :, :S], v[0, :, :S], None, S, None, D ** -0.5)  # alone, every key
+    assert torch.equal(last, causal[5:])
+    # the same keys with 10 masked ones put between the first S - 6 and the rest, and keys after them
+    order = torch.cat([torch.arange(S - 6), torch.arange(S, S + 10), torch.arange(S - 6, S)])
+    k2, v2 = k[:, :, order], v[:, :, order]
+    vis = torch.zeros(6, S + 10, dtype=torch.bool)
+    vis[:, : S - 6] = True
+    vis[:, S + 4:] = torch.ones(6, 6, dtype=torch.bool).tril()
+    spread = ops.attend(q[0], k2[0], v2[0], vis, S - 6, None, D ** -0.5)
+    assert torch.equal(spread, causal)
+
+
+@needs_kernel
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_activation_scales_are_slices_summed_in_order(groups):
+    """A scale per row and per slice of K: each slice's exact int8 product, scaled, added in slice order."""
+    from adaptivespec.fastpath.int8 import reference_products
+
+    torch.manual_seed(groups)
+    lin = torch.nn.Linear(1536, 96, bias=False).bfloat16()
+    layer = Int8Linear(lin, groups=groups)
+    x = (torch.randn(20, 1536) * 3).bfloat16()
+    x[:, :10] *= 50  # an outlier slice: the other slices keep their resolution
+    k = 1536 // groups
+    q, amax = quantize_rows(x.float().view(20 * groups, k))
+    q, amax = q.view(20, groups, k), amax.view(20, groups)
+    want = None
+    for g in range(groups):
+        part = reference_products(q[:, g], layer.qweight[:, g * k:(g + 1) * k], layer.scale / 127.0).mul_(amax[:, g:g + 1])
+        want = part if want is None else want.add_(part)
+    full = layer(x)
+    assert torch.equal(full, want.to(torch.bfloat16))
+    assert torch.equal(layer(x[7:8]), full[7:8]) and torch.equal(layer(x[3:19]), full[3:19])
+    one = Int8Linear(lin)(x).float()
+    close = lin(x).float()
+    assert (full.float() - close).norm() < (one - close).norm()  # finer scales, closer to the float layer
+
+
+@needs_kernel
 def test_the_largest_sums_are_exact():
     """Every product at +-127 x +-127: sums far beyond float32's 2^24 still match int64 arithmetic."""
     k, n = 1536, 64
@@ -88,7 +162,8 @@ def test_keep_leaves_layers_in_float_and_whole_fused_groups():
 
 def test_config_key_and_cost_table_key():
     cfg = load_config(ROOT / "configs" / "ar-int8.yaml")
-    assert cfg.runtime.quantization == "int8" and cfg.runtime.precision == "int8-bfloat16-keep-down_proj"
+    assert cfg.runtime.quantization == "int8" and cfg.runtime.precision == "int8-bfloat16-groups-down_proj=4-lm_head=3"
+    assert cfg.runtime.groups == {"down_proj": 4, "lm_head": 3}
     assert load_config(ROOT / "configs" / "ar.yaml").runtime.precision == "bfloat16"
     kept = load_config(ROOT / "configs" / "ar.yaml", overrides=["runtime.quantization=int8", "runtime.quantization_keep=[lm_head]"])
     assert kept.runtime.precision == "int8-bfloat16-keep-lm_head"
@@ -99,7 +174,7 @@ def test_config_key_and_cost_table_key():
 def smol_int8():
     from adaptivespec.models import load_target
 
-    return load_target("smollm2-135m-instruct", "bfloat16", quantization="int8")
+    return load_target("smollm2-135m-instruct", "bfloat16", quantization="int8", groups={"down_proj": 4, "lm_head": 3})
 
 
 @needs_kernel
@@ -120,46 +195,97 @@ def test_fused_projections_compute_what_each_layer_computes_alone(smol_int8):
     assert torch.equal(ff.logits(x), model.lm_head(x))
 
 
+@needs_native
+@pytest.mark.model
+def test_fused_forward_rows_do_not_depend_on_the_forward_they_run_in(smol_int8):
+    """The same positions' logits from one prefill, a row at a time, and a masked chunk: identical bits."""
+    from adaptivespec.fastpath.forward import fast_forward
+    from adaptivespec.fastpath.kvcache import buffered_cache
+    from adaptivespec.models import encode_prompt
+
+    model, tok = smol_int8
+    ff = fast_forward(model)
+    for text in ("Write a Python function that returns the factorial of n.", "Name three primary colors."):
+        ids = torch.tensor([encode_prompt(tok, text)])
+        n, tail = ids.shape[1], 8
+        whole = ff(ids, buffered_cache(model.config, 256)).logits[0, n - tail:]
+        cache = buffered_cache(model.config, 256)
+        ff(ids[:, : n - tail], cache)
+        one = torch.stack([ff(ids[:, i:i + 1], cache).logits[0, 0] for i in range(n - tail, n)])
+        cache = buffered_cache(model.config, 512)
+        ff(ids[:, : n - tail], cache)
+        mask = torch.zeros(1, 1, tail, 512, dtype=torch.bfloat16)
+        mask[0, 0, :, n - tail:n].masked_fill_(~torch.ones(tail, tail, dtype=torch.bool).tril(), torch.finfo(torch.bfloat16).min)
+        chunk = ff(ids[:, n - tail:], cache, attention_mask=mask).logits[0]  # an additive mask over a wider cache
+        assert torch.equal(whole, one) and torch.equal(chunk, one)
+
+
 TEXTS = [
     "Write a Python function that returns the factorial of n.",
-    "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
+    "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
+    "Summarize in one sentence: The committee met on Tuesday to review the budget for next year and "
+    "agreed to raise spending on roads while cutting administrative costs.",
+    "Name three primary colors.",
 ]
-N = 24
+N = 32
 
 
-@needs_kernel
-@pytest.mark.model
-def test_int8_configs_decode_through_the_int8_forward(smol_int8):
-    """``hybrid-int8`` alone and ``batched-hybrid-int8`` with more requests than lanes run the int8 target:
-    drafts are accepted, every request finishes, and alone the first token (from the prompt's forward,
-    the same layout as ``ar-int8``'s) is the int8 target's. Token-for-token equality past it is not
-    asserted: attention's float sums still round by layout (docs/int8.md)."""
-    from adaptivespec.batch import BatchEngine, CostTable, Request
+@pytest.fixture(scope="module")
+def int8_greedy():
+    """prompt text -> (prompt ids, the int8 target's greedy tokens: ``ar-int8.yaml`` alone)."""
     from adaptivespec.decode import Engine
 
-    ar = Engine(load_config(ROOT / "configs" / "ar-int8.yaml"))
-    assert ar.target is not smol_int8[0] and quantization_of(ar.target) == "int8"
-    hybrid = Engine(load_config(ROOT / "configs" / "hybrid-int8.yaml"))
-    assert hybrid.lossless
-    prompts = [ar.encode(t) for t in TEXTS]
-    firsts = [ar.generate_ids(ids, max_new_tokens=1).token_ids for ids in prompts]
-    tokens = forwards = 0
-    for ids, first in zip(prompts, firsts):
-        got = hybrid.generate_ids(ids, max_new_tokens=N)
-        assert got.token_ids[:1] == first
-        tokens, forwards = tokens + len(got.token_ids), forwards + got.stats["target_forwards"]
-    assert tokens / forwards > 1.3
+    engine = Engine(load_config(ROOT / "configs" / "ar-int8.yaml"))
+    return {text: (ids, engine.generate_ids(ids, max_new_tokens=N).token_ids)
+            for text, ids in ((t, engine.encode(t)) for t in TEXTS)}
+
+
+@needs_native
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["hybrid-int8.yaml", "eagle3.yaml", "adaptivespec-dynamic.yaml"])
+def test_strict_speculation_alone_is_the_int8_targets_greedy(name, int8_greedy):
+    """In bfloat16 with int8 matmuls, not only float32: token for token."""
+    from adaptivespec.decode import Engine
+
+    engine = Engine(load_config(ROOT / "configs" / name, overrides=[
+        "runtime.quantization=int8", "runtime.quantization_groups=[down_proj=4,lm_head=3]"]))
+    assert engine.lossless
+    forwards = tokens = 0
+    for ids, ref in int8_greedy.values():
+        got = engine.generate_ids(ids, max_new_tokens=N)
+        assert got.token_ids == ref
+        forwards, tokens = forwards + got.stats["target_forwards"], tokens + len(got.token_ids)
+    assert tokens / forwards > 1.3  # drafts were accepted: the trees really ran through the int8 forward
+
+
+@needs_native
+@pytest.mark.model
+@pytest.mark.parametrize("pinned", [True, False])
+def test_every_request_of_an_int8_batch_is_the_int8_targets_greedy_alone(pinned, int8_greedy):
+    """batched-hybrid-int8 with more requests than lanes, later ones joining mid-generation, every step
+    drafting (pinned) or as the budget decides: each request's tokens are ``ar-int8``'s alone, and the
+    same requests again (their prompts now in the prefix cache) give the same tokens."""
+    from adaptivespec.batch import BatchEngine, CostTable, Request
+
     costs = CostTable(rows=(1, 512), verify_short=(20.0, 275.5), verify_long=(20.0, 275.5), contexts=(128, 1024),
                       per_request=0.1, draft_rows=(1, 128), draft=(0.5, 0.5), machine={"cpu": "synthetic"})
-    be = BatchEngine(load_config(ROOT / "configs" / "batched-hybrid-int8.yaml"), slots=2, context_length=256,
+    be = BatchEngine(load_config(ROOT / "configs" / "batched-hybrid-int8.yaml"), slots=3, context_length=256,
                      costs=costs, log=lambda _: None)
-    reqs = [be.submit(Request(prompt=list(ids), max_new_tokens=N)) for ids in prompts]
-    steps = 0
-    while be.busy:
-        be.step()
-        steps += 1
-        assert steps < 500
-    assert all(r.done and len(r.out) >= 1 for r in reqs)
-    assert sum(len(r.out) for r in reqs) > sum(r.forwards for r in reqs) - len(reqs)  # the budget drafted, drafts accepted
+    if pinned:
+        be.budget.speculate = lambda *a, **k: setattr(be.budget, "mode", True) or True
+    refs = list(int8_greedy.values())
+    for _ in range(2):
+        reqs = [be.submit(Request(prompt=list(ids), max_new_tokens=N)) for ids, _ in refs[:2]]
+        for _ in range(3):
+            be.step()
+        reqs += [be.submit(Request(prompt=list(ids), max_new_tokens=N)) for ids, _ in refs[2:]]
+        steps = 0
+        while be.busy:
+            be.step()
+            steps += 1
+            assert steps < 800
+        assert [r.out for r in reqs] == [ref for _, ref in refs]
+        if pinned:
+            assert sum(len(r.out) for r in reqs) / sum(r.forwards for r in reqs) > 1.3

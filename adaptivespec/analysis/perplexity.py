@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         return 0
     cfg = load_config(args.config, args.set)
     rt = cfg.runtime
-    model, tok = load_target(cfg.model.target, rt.dtype, rt.device, quantization=rt.quantization, keep=rt.quantization_keep)
+    model, tok = load_target(cfg.model.target, rt.dtype, rt.device, quantization=rt.quantization, keep=rt.quantization_keep,
+                             groups=rt.groups)
     forward = fast_forward(model) or (lambda x, cache: model(input_ids=x, past_key_values=cache, use_cache=True))
     ids = tok(text, add_special_tokens=False)["input_ids"]
 

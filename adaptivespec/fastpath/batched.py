@@ -365,10 +365,11 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
         starts.append(start)
         pasts.append(p.cache.get_seq_length())
         start += p.rows
+    native = getattr(pieces, "native", None)  # the int8 target: every part by the layout-invariant kernel
     shared = (SlabStep(slab, parts, starts, pasts, pieces.heads, h.dtype, ids.device, getattr(pieces, "sgl", None))
-              if slab is not None else None)
+              if slab is not None and native is None else None)
     alone = [j for j in range(len(parts)) if shared is None or j not in shared.members]
-    plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device) for j in alone}
+    plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device, native) for j in alone}
     wanted = None if hidden is True or hidden is False else frozenset(hidden)
     if wanted is not None and not wanted:
         hidden = False
@@ -387,8 +388,7 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
             e = s + p.rows
             qp, kp, vp = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, rows, D]
             keys, values = p.cache.layers[i].update(kp, vp)
-            out = plans[j].attend(qp, keys, values, past, pieces.scale)  # [1, H, rows, D]
-            attn[s:e] = out[0].transpose(0, 1).reshape(e - s, pieces.q_size)
+            attn[s:e] = plans[j].attend_rows(qp, keys, values, past, pieces.scale)  # [rows, H * D]
         h = pieces.finish(L, h, attn)
         if states is not None and i + 1 < len(pieces.layers):
             states.append(kept(i + 1, h))

@@ -157,13 +157,22 @@ class AttentionPlan:
     (:func:`attend_after_prefix`: a later chunk of a chunked prefill), or under a causal mask after
     the past. One row needs no mask."""
 
-    __slots__ = ("mask", "folded", "causal", "split")
+    __slots__ = ("mask", "folded", "causal", "split", "native", "limit")
 
-    def __init__(self, mask, folded, causal: bool, split: bool) -> None:
+    def __init__(self, mask, folded, causal: bool, split: bool, native=None, limit=None) -> None:
         self.mask, self.folded, self.causal, self.split = mask, folded, causal, split
+        self.native, self.limit = native, limit
 
     @classmethod
-    def of(cls, n: int, past: int, attention_mask: torch.Tensor | None, groups: int, device) -> "AttentionPlan":
+    def of(cls, n: int, past: int, attention_mask: torch.Tensor | None, groups: int, device,
+           native=None) -> "AttentionPlan":
+        """``native``: attend by the layout-invariant kernel (:func:`attend_invariant`) instead."""
+        if native is not None:
+            if attention_mask is not None:  # a tree's additive mask (0: visible) or a boolean one
+                vis = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
+                return cls(vis, None, False, False, native)
+            limit = torch.arange(past, past + n, device=device) if n > 1 else None  # causal: row i sees keys <= past + i
+            return cls(None, None, False, False, native, limit)
         mask, causal, split = None, False, False
         if attention_mask is not None:
             mask = attention_mask
@@ -176,12 +185,35 @@ class AttentionPlan:
                 mask = torch.ones(n, past + n, dtype=torch.bool, device=device).tril(past)[None, None]
         return cls(mask, _fold_mask(mask, n, groups, past + n), causal, split)
 
+    def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
+                    scale: float | None) -> torch.Tensor:
+        """q [1, H, n, D] over the cache's keys / values [1, Hkv, past + n, D] -> [n, H * D]."""
+        if self.native is not None:
+            return attend_invariant(self.native, q, keys, values, self.mask, self.limit, past, scale)
+        _, H, n, D = q.shape
+        return self.attend(q, keys, values, past, scale)[0].transpose(0, 1).reshape(n, H * D)
+
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
                scale: float | None) -> torch.Tensor:
         """q [1, H, n, D] over the cache's keys / values [1, Hkv, past + n, D] -> [1, H, n, D]."""
+        if self.native is not None:
+            _, H, n, D = q.shape
+            return self.attend_rows(q, keys, values, past, scale).view(n, H, D).transpose(0, 1).unsqueeze(0)
         if self.split:
             return attend_after_prefix(q, keys, values, past, scale)
         return attend(q, keys, values, self.mask, self.folded, self.causal, scale)
+
+
+def attend_invariant(native, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                     limit: torch.Tensor | None, past: int, scale: float | None) -> torch.Tensor:
+    """Attention of q [1, H, n, D] over keys / values [1, Hkv, S, D] -> [n, H * D] by the int8 target's
+    C++ kernel (:mod:`adaptivespec.fastpath.native`): each (row, head) sums over its visible keys in
+    ascending order in one pass (online softmax), so its result does not depend on the other rows,
+    on masked keys among or after its own, or on how the forward was cut (one row, a tree, a prefill
+    chunk, a batch). Row i sees the first ``past`` keys and, beyond them, ``visible[i]`` [n, >= S]
+    (a tree) or keys up to ``limit[i]`` (causal), or every key."""
+    D = q.shape[-1]
+    return native.attend(q[0], keys[0], values[0], visible, past, limit, D ** -0.5 if scale is None else scale)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, sgl=None) -> torch.Tensor:
@@ -212,7 +244,7 @@ def pack(mods, dtype, sgl) -> PackedWeight | Int8Weight:
         if not all(isinstance(m, Int8Linear) for m in mods):
             raise ValueError("fused projections mix int8 and float layers: keep all of q/k/v (or gate/up) or none")
         return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias,
-                          mods[0].inv_smooth)  # one input: one set of smoothing factors for the group
+                          mods[0].inv_smooth, mods[0].groups)  # one input: one set of smoothing factors and slices
     weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
     return PackedWeight(weight, bias, sgl)
 
@@ -232,6 +264,11 @@ class FastLlama:
         self.sgl = sgl
         self.backend = "sgl_kernel" if sgl is not None else "onednn"
         self.quantization = quantization_of(model)
+        self.native = None  # the int8 target's layout-invariant attention (where its kernels build)
+        if self.quantization == "int8":
+            from adaptivespec.fastpath.native import ops
+
+            self.native = ops()
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -341,14 +378,13 @@ class FastLlama:
         h = self.embed_rows(ids)  # [n, H]
         cos, sin = self.rotary_rows(h, positions)  # [n, 1, D]
         hidden = [self.keep(h)] if output_hidden_states else None
-        plan = AttentionPlan.of(n, past, attention_mask, self.heads // self.kv_heads, ids.device)
+        plan = AttentionPlan.of(n, past, attention_mask, self.heads // self.kv_heads, ids.device, self.native)
         layers = cache.layers
         for i, L in enumerate(self.layers):
             q, k, v = self.project(L, h, cos, sin)  # [n, heads, D]
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, D]
             keys, values = layers[i].update(k, v)
-            attn = plan.attend(q, keys, values, past, self.scale)
-            h = self.finish(L, h, attn[0].transpose(0, 1).reshape(n, self.q_size))
+            h = self.finish(L, h, plan.attend_rows(q, keys, values, past, self.scale))  # attention [n, H * D]
             if hidden is not None and i + 1 < len(self.layers):
                 hidden.append(self.keep(h))
         h = self.final_norm(h)

@@ -43,16 +43,31 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations ``x`` [M, K] -> (uint8 [M, K] holding ``qx + 128``, float32 ``max |x|`` per row [M, 1]).
+def quantize_rows(x: torch.Tensor, smooth: torch.Tensor | None = None, native=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``x`` [M, K] (times ``smooth`` [K], in float32) -> (uint8 [M, K] holding ``qx + 128``,
+    float32 ``max |x|`` per row [M, 1]).
 
     One scale per row from that row alone (``max |x| / 127``; the 1/127 is folded into the weight
     scales, :class:`Int8Weight`); ``qx = floor(x * (127 / max|x|) + 0.5)``, so ``|qx| <= 127``; a row
-    of zeros (a padded row) quantizes to zeros. Each op here is elementwise and correctly rounded
-    or an exact reduction, so a row's result does not depend on the other rows."""
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32).clamp_min_(1e-30)
-    q = torch.mul(x, amax.reciprocal().mul_(127.0)).add_(128.5).to(torch.uint8)  # floor(v + 128.5) = round-half-up(v) + 128
+    of zeros (a padded row) quantizes to zeros. Every step is elementwise and correctly rounded, or an
+    exact maximum: a row's result does not depend on the other rows. ``native``: the same in one C++
+    call (:mod:`adaptivespec.fastpath.native`), bit for bit."""
+    if native is not None:
+        return native.quantize_rows(x, smooth)
+    y = x.float() if smooth is None else x.float() * smooth
+    amax = y.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)  # [M, 1]
+    inv = torch.full_like(amax, 127.0).div_(amax)
+    q = torch.mul(y, inv).add_(128.5).to(torch.uint8)  # floor(v + 128.5) = round-half-up(v) + 128 (y may be x itself)
     return q, amax
+
+
+def scale_rows(y: torch.Tensor, amax: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, native=None):
+    """The matmul's epilogue: ``y`` [M, N] (``float(acc) * sw / 127``) times each row's ``max|x|``, plus
+    ``bias``, rounded to ``dtype``; ``native``: one C++ call, bit for bit."""
+    if native is not None:
+        return native.scale_rows(y, amax, bias, dtype)
+    y = y.mul_(amax)
+    return (y if bias is None else y.add_(bias)).to(dtype)
 
 
 class Int8Weight:
@@ -61,34 +76,51 @@ class Int8Weight:
 
     ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None."""
 
-    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features", "smooth")
+    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features", "smooth", "native",
+                 "groups", "parts")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 smooth: torch.Tensor | None = None) -> None:
-        self.smooth = smooth  # [K] or None: the input divided by the smoothing factors before quantizing
+                 smooth: torch.Tensor | None = None, groups: int = 1) -> None:
+        """``groups``: activation scales per row and per this many equal slices of K (each slice its own
+        int8 matmul, the slices' float results added in order): finer scales where one per row costs quality."""
+        self.smooth = None if smooth is None else smooth.float().contiguous()  # [K]: 1 / SmoothQuant's factors
+        from adaptivespec.fastpath.native import ops
+
+        self.native = ops()  # the C++ quantize and epilogue where they build (the same bits, fewer ops)
         self.qweight = qweight.contiguous()
         self.scale = scale.float().div(127.0).contiguous()  # sw / 127: the activations' 1/127 folded in
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = self.qweight.shape
         self.packed = None
+        self.groups = groups
+        if self.in_features % groups:
+            raise ValueError(f"int8 groups: {groups} does not divide the layer's {self.in_features} inputs")
+        k = self.in_features // groups
+        self.parts = [self.qweight[:, g * k:(g + 1) * k].contiguous() for g in range(groups)] if groups > 1 else None
         if kernel_name() == "onednn" and self.qweight.device.type == "cpu":
-            self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            self.packed = [torch.ops.onednn.qlinear_prepack(w, None) for w in (self.parts or [self.qweight])]
             self.zero = torch.zeros(self.out_features, dtype=torch.int32)
 
-    def products(self, q: torch.Tensor) -> torch.Tensor:
-        """``(q - 128) . qweight`` per row, times the weight scales: float32 [M, N]."""
+    def products(self, q: torch.Tensor, g: int = 0) -> torch.Tensor:
+        """``(q - 128) . qweight`` per row (of slice ``g`` of K), times the weight scales: float32 [M, N]."""
         if self.packed is None:
-            return reference_products(q, self.qweight, self.scale)
+            return reference_products(q, self.parts[g] if self.parts else self.qweight, self.scale)
         # x_scale 1, zero point 128: the kernel sums (q - 128) * qw in int32 and scales by sw in float32
-        return _QLINEAR.default(q, 1.0, 128, self.packed, self.scale, self.zero, None, 1.0, 0, torch.float32,
+        return _QLINEAR.default(q, 1.0, 128, self.packed[g], self.scale, self.zero, None, 1.0, 0, torch.float32,
                                 "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        q, amax = quantize_rows(x if self.smooth is None else x * self.smooth)
-        y = self.products(q).mul_(amax)  # [M, N]: float(acc) * (sw / 127) * max|x|
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y.to(x.dtype)
+        if self.groups == 1:
+            q, amax = quantize_rows(x, self.smooth, self.native)
+            return scale_rows(self.products(q), amax, self.bias, x.dtype, self.native)  # float(acc) * sw/127 * max|x|
+        M, G = x.shape[0], self.groups
+        xs = x.float() if self.smooth is None else x.float() * self.smooth
+        q, amax = quantize_rows(xs.view(M * G, -1), None, self.native)  # a scale per row and slice
+        q, amax = q.view(M, G, -1), amax.view(M, G)
+        y = self.products(q[:, 0].contiguous(), 0).mul_(amax[:, 0:1])
+        for g in range(1, G):  # the slices' results added in order: the same sums whatever the rows
+            y.add_(self.products(q[:, g].contiguous(), g).mul_(amax[:, g:g + 1]))
+        return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
 
 
 def reference_products(q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -98,17 +130,17 @@ def reference_products(q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return acc.to(torch.int64).to(torch.float32).mul_(scale)
 
 
-def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
-    """What :class:`Int8Weight` computes, in plain torch: the tests' float reference."""
-    q, amax = quantize_rows(x)
-    y = reference_products(q, qweight, scale.float() / 127.0).mul_(amax)
-    return (y if bias is None else y.add_(bias.float())).to(x.dtype)
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias=None, smooth=None) -> torch.Tensor:
+    """What :class:`Int8Weight` computes, in plain torch ops: the tests' float reference."""
+    q, amax = quantize_rows(x, None if smooth is None else smooth.float())
+    return scale_rows(reference_products(q, qweight, scale.float() / 127.0), amax,
+                      None if bias is None else bias.float(), x.dtype)
 
 
 class Int8Linear(torch.nn.Module):
     """``nn.Linear`` with int8 weights and per-row int8 activations (:class:`Int8Weight`)."""
 
-    def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: torch.nn.Linear, smooth: torch.Tensor | None = None, groups: int = 1) -> None:
         """``smooth`` [K]: SmoothQuant's factors ``s`` (:func:`smoothing`): the layer computes
         ``(x / s) @ (w * s)^T``, the same product with the activations' outlier channels moved into the weights."""
         super().__init__()
@@ -117,12 +149,13 @@ class Int8Linear(torch.nn.Module):
         self.inv_smooth = None
         if smooth is not None:
             w = w * smooth[None, :]
-            self.inv_smooth = (1.0 / smooth).to(linear.weight.dtype)
+            self.inv_smooth = (1.0 / smooth).float()
         qweight, scale = quantize_weight(w)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.kernel = Int8Weight(qweight, scale, self.bias, self.inv_smooth)
+        self.groups = groups
+        self.kernel = Int8Weight(qweight, scale, self.bias, self.inv_smooth, groups)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -143,7 +176,7 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def quantize_linears(model: torch.nn.Module, keep: Iterable[str] = (), act_max: dict | None = None,
-                     alpha: float = SMOOTH_ALPHA) -> list[str]:
+                     alpha: float = SMOOTH_ALPHA, groups: dict[str, int] | None = None) -> list[str]:
     """Replace every ``nn.Linear`` of ``model`` with an :class:`Int8Linear` in place, except those
     whose qualified name ends with one of ``keep`` (e.g. ``down_proj``, ``lm_head``); returns the
     names replaced (naming one of q/k/v or gate/up keeps its group: :data:`FUSED`). ``act_max``:
@@ -168,7 +201,8 @@ def quantize_linears(model: torch.nn.Module, keep: Iterable[str] = (), act_max: 
                 smooth = smoothing(act_max[name].float(), wmax, alpha)
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, Int8Linear(child, smooth))
+            g = next((n for k, n in (groups or {}).items() if name == k or name.endswith("." + k)), 1)
+            setattr(parent, attr, Int8Linear(child, smooth, g))
             done.append(name)
     if "lm_head" in done and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False
