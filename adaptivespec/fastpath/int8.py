@@ -27,6 +27,11 @@ import torch
 QUANTIZATIONS = ("none", "int8")
 """``runtime.quantization`` values."""
 
+VNNI_MAX_ROWS = 16
+"""Up to this many rows (two for a layer of more than 4,096 outputs, the LM head) our VNNI kernel runs
+the matmul (its fixed cost per call is a third of oneDNN's); beyond, oneDNN's ``qlinear`` (faster
+per row there). Integer sums are exact, so both give the same bits (tested)."""
+
 _QLINEAR = getattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise", None)
 
 
@@ -77,7 +82,7 @@ class Int8Weight:
     ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None."""
 
     __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features", "smooth", "native",
-                 "groups", "parts")
+                 "groups", "parts", "vnni")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  smooth: torch.Tensor | None = None, groups: int = 1) -> None:
@@ -86,7 +91,7 @@ class Int8Weight:
         self.smooth = None if smooth is None else smooth.float().contiguous()  # [K]: 1 / SmoothQuant's factors
         from adaptivespec.fastpath.native import ops
 
-        self.native = ops()  # the C++ quantize and epilogue where they build (the same bits, fewer ops)
+        self.native = ops()  # the C++ quantize, matmul and epilogue where they build (the same bits, fewer calls)
         self.qweight = qweight.contiguous()
         self.scale = scale.float().div(127.0).contiguous()  # sw / 127: the activations' 1/127 folded in
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -97,6 +102,11 @@ class Int8Weight:
             raise ValueError(f"int8 groups: {groups} does not divide the layer's {self.in_features} inputs")
         k = self.in_features // groups
         self.parts = [self.qweight[:, g * k:(g + 1) * k].contiguous() for g in range(groups)] if groups > 1 else None
+        self.vnni = None  # (weight in the VNNI layout, 128 x each slice's column sums): our own kernel, few rows
+        if (self.native is not None and self.native.has_vnni() and self.out_features % 16 == 0
+                and (self.in_features // groups) % 4 == 0):
+            sums = self.qweight.view(self.out_features, groups, k).sum(-1, dtype=torch.int32).t().contiguous()
+            self.vnni = (self.native.pack_weight(self.qweight), sums.mul_(128))
         if kernel_name() == "onednn" and self.qweight.device.type == "cpu":
             self.packed = [torch.ops.onednn.qlinear_prepack(w, None) for w in (self.parts or [self.qweight])]
             self.zero = torch.zeros(self.out_features, dtype=torch.int32)
@@ -110,6 +120,17 @@ class Int8Weight:
                                 "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.vnni is not None and (rows <= 2 or (rows <= VNNI_MAX_ROWS and self.out_features <= 4096)
+                                      or self.packed is None):  # two C++ calls
+            M, G = x.shape[0], self.groups
+            if G == 1:
+                q, amax = self.native.quantize_rows(x, self.smooth)
+            else:
+                xs = x.float() if self.smooth is None else x.float() * self.smooth
+                q, amax = self.native.quantize_rows(xs.view(M * G, -1), None)
+            return self.native.int8_linear(q.view(M, -1), amax.view(M, G), self.vnni[0], self.vnni[1], self.scale,
+                                           self.bias, x.dtype)
         if self.groups == 1:
             q, amax = quantize_rows(x, self.smooth, self.native)
             return scale_rows(self.products(q), amax, self.bias, x.dtype, self.native)  # float(acc) * sw/127 * max|x|
