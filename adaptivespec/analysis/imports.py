@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("step", "the decode step: config, proposal and fusion, constraints, models, runtimes, fast path, speculation "
              "metrics",
      ("adaptivespec.config", "adaptivespec.constraints", "adaptivespec.fusion", "adaptivespec.proposal",
-      "adaptivespec.models", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
+      "adaptivespec.models", "adaptivespec.paths", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
       "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
     ("batch", "continuous batching: request states, the scheduler's step plans, the executor over ragged rows, "
               "the row budget, the prefix cache", ("adaptivespec.batch",)),

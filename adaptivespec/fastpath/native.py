@@ -48,7 +48,7 @@ def _build():
         import torch.utils.cpp_extension as ext
 
         from adaptivespec.costmodel import cpu_name
-        from adaptivespec.models import cache_dir
+        from adaptivespec.paths import cache_dir
 
         cpu = re.sub(r"[^A-Za-z0-9]+", "_", cpu_name()).strip("_")[:48] or "cpu"
         where = cache_dir() / "native" / cpu
