@@ -416,7 +416,9 @@ def fast_forward(model):
     (:func:`supported`): callers then run the model itself."""
     if model is None or supported(model) is not None:
         return None
-    sgl = _probe(sgl_ops(), model.config.hidden_size, model.config.intermediate_size)
+    # the int8 target runs torch's norms and SiLU whatever is installed: one function on every install
+    sgl = None if quantization_of(model) == "int8" else _probe(sgl_ops(), model.config.hidden_size,
+                                                                 model.config.intermediate_size)
     key = "sgl_kernel" if sgl is not None else "onednn"
     cached = getattr(model, _ATTR, None)
     if cached is not None and cached.backend == key:
