@@ -1,4 +1,5 @@
-"""End-to-end decoding speed: configs/ar.yaml and configs/eagle3.yaml on 2 fixed prompts x 32 tokens.
+"""End-to-end decoding speed: configs/ar.yaml, configs/eagle3.yaml and the int8 target's ar-int8.yaml /
+hybrid-int8.yaml on 2 fixed prompts x 32 tokens; and the target's packed forward by rows, bf16 against int8.
 
 EOS is ignored (``generation.stop_at_eos=false``) so every round generates exactly 64 tokens; the
 mean tokens/s and accept length are stored in each benchmark's ``extra_info``. ``eagle3`` needs the
@@ -37,7 +38,7 @@ def random_head_bf16(tmp_path_factory):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["ar", "eagle3", "eagle3-random-head"])
+@pytest.mark.parametrize("name", ["ar", "eagle3", "eagle3-random-head", "ar-int8", "hybrid-int8"])
 def test_end_to_end_tokens_per_second(benchmark, name, request):
     from adaptivespec.decode import Engine
 
@@ -59,3 +60,30 @@ def test_end_to_end_tokens_per_second(benchmark, name, request):
     assert new == len(PROMPTS) * TOKENS
     benchmark.extra_info["tokens_per_second"] = new / benchmark.stats.stats.mean
     benchmark.extra_info["accept_length_mean"] = new / sum(s["target_forwards"] for s in stats)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_target_forward_by_rows(benchmark, precision, rows):
+    """One packed target forward of ``rows`` rows over 256 cached keys (the row budget's unit of cost)."""
+    import torch
+
+    from adaptivespec.fastpath.batched import Part, layer_pieces, packed_forward
+    from adaptivespec.fastpath.kvcache import buffered_cache
+    from adaptivespec.models import load_target
+
+    benchmark.group = f"target forward, {rows} rows over 256 keys (CPU)"
+    kw = {"quantization": "int8", "groups": {"down_proj": 4, "lm_head": 3}} if precision == "int8" else {}
+    model, _ = load_target("smollm2-135m-instruct", "bfloat16", **kw)
+    pieces, cache = layer_pieces(model), buffered_cache(model.config, 512)
+    ids, pos = torch.zeros(rows, dtype=torch.long), torch.arange(256, 256 + rows)
+
+    def run():
+        for layer in cache.layers:
+            layer.length = 256
+            layer._view()
+        return packed_forward(pieces, ids, pos, [Part(cache=cache, rows=rows, mask=None, slot=None)], torch.arange(rows))
+
+    logits, _ = benchmark.pedantic(run, rounds=10, warmup_rounds=2, iterations=1)
+    assert logits.shape == (rows, model.config.vocab_size)
