@@ -303,6 +303,8 @@ class FastLlama:
         self.lm_head = pack((model.lm_head,), dtype, sgl)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.native is not None:  # the int8 target: one call, a row's sums in one fixed order
+            return self.native.rms_norm(x, w, eps)
         return rms_norm(x, w, eps, self.sgl)
 
     # -- the pieces of a layer (shared with the batched forward, :mod:`adaptivespec.fastpath.batched`) --

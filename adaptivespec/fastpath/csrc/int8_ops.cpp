@@ -389,6 +389,44 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 }  // namespace
 
+// rms_norm   x [M, H] (bf16 / f32, unit stride in H), w [H] -> [M, H] in x's dtype:
+//            w * round(x / sqrt(mean(x^2) + eps)) (the normed row rounded to x's dtype, then scaled),
+//            the sum of squares in 16 lanes added in one fixed order: a row's result is its own.
+template <typename T>
+void rms_impl(const T* x, int64_t ldx, const T* w, T* out, int64_t M, int64_t H, float eps) {
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const T* xr = x + m * ldx;
+      float part[16] = {0.f};
+      int64_t k = 0;
+      for (; k + 16 <= H; k += 16)
+        for (int l = 0; l < 16; ++l) { const float v = to_f(xr[k + l]); part[l] = part[l] + v * v; }
+      for (; k < H; ++k) { const float v = to_f(xr[k]); part[k % 16] = part[k % 16] + v * v; }
+      float ss = 0.f;
+      for (int l = 0; l < 16; ++l) ss = ss + part[l];
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + m * H;
+      for (int64_t j = 0; j < H; ++j) {
+        const T normed = static_cast<T>(to_f(xr[j]) * r);
+        o[j] = static_cast<T>(to_f(w[j]) * to_f(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type(),
+              "rms_norm: x [M, H] with unit stride, w [H] of x's dtype");
+  const int64_t M = x.size(0), H = x.size(1);
+  auto out = at::empty({M, H}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    rms_impl(x.data_ptr<at::BFloat16>(), x.stride(0), w.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), M, H,
+             static_cast<float>(eps));
+  else
+    rms_impl(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), out.data_ptr<float>(), M, H, static_cast<float>(eps));
+  return out;
+}
+
 // -- the int8 matmul ------------------------------------------------------------------------------
 // pack_weight   qweight int8 [N, K] (N a multiple of 16, K of 4) -> int8 [N / 16][K / 4][16][4]
 // int8_linear   q uint8 [M, K] (qx + 128), amax f32 [M, G], packed, colsum int32 [G, N] (128 x the sum of
@@ -542,6 +580,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_rows", &scale_rows, "int8 epilogue: rows times their scale (+ bias), to dtype");
   m.def("attend", &attend, "layout-invariant attention");
   m.def("pack_weight", &pack_weight, "int8 weight in the VNNI layout");
+  m.def("rms_norm", &rms_norm, "RMSNorm, a row's sums in one fixed order");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built");
   m.def("int8_linear", &int8_linear, "W8A8 matmul with per-row (and per-slice) activation scales");
 }
