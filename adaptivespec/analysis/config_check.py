@@ -7,7 +7,9 @@ are covered) generates from the same prompts with the eager ``torch`` runtime an
 * a lossy one is reported (tokens equal to greedy, first divergence), and its graph run must match
   its eager run (same arithmetic, same accept decisions) -- reported, not failed, since float32
   kernels under capture may round differently at a near-tie of the margin rule;
-* every run reports tokens/s and mean accept length.
+* every run reports tokens/s and mean accept length;
+* the int8 configs (``runtime.quantization: int8``) run on CPUs only (skipped elsewhere), in their own
+  bfloat16, and are compared with the int8 target's greedy decoding (``configs/ar-int8.yaml``).
 
 Used by ``scripts/gpu_check.py`` (phase ``configs``); runs alone too::
 
@@ -54,7 +56,7 @@ def check_configs(device: str, *, runtimes=("torch", "torch-cuda-graphs"), token
 
     report: dict = {"device": device, "tokens": tokens, "prompts": prompts, "runtimes": list(runtimes),
                     "runs": [], "failures": [], "skipped": []}
-    greedy: dict[int, list[int]] = {}
+    greedies: dict[str, dict[int, list[int]]] = {}  # precision -> prompt -> greedy tokens (ar.yaml, ar-int8.yaml)
     for path in config_paths(pattern):
         for runtime in runtimes:
             label = f"{path.stem} [{runtime}]"
@@ -64,8 +66,15 @@ def check_configs(device: str, *, runtimes=("torch", "torch-cuda-graphs"), token
             log(f"config_check: {label} ...")
             row: dict = {"config": path.stem, "runtime": runtime}
             try:
-                cfg = load_config(path, [f"runtime.name={runtime}", f"runtime.device={device}", "runtime.dtype=float32",
+                cfg = load_config(path, [f"runtime.name={runtime}", f"runtime.device={device}",
                                          f"generation.max_new_tokens={tokens}"])
+                if cfg.runtime.quantization != "none":  # the int8 target: CPUs, bfloat16 around its int8 matmuls
+                    if not device.startswith("cpu"):
+                        report["skipped"].append(f"{label}: runtime.quantization {cfg.runtime.quantization} runs on CPUs")
+                        continue
+                else:
+                    cfg = load_config(path, [f"runtime.name={runtime}", f"runtime.device={device}", "runtime.dtype=float32",
+                                             f"generation.max_new_tokens={tokens}"])
                 if runtime != "torch" and any(getattr(s.params, "extra_slots", 0) for s in cfg.sources):
                     import attrs  # static verify graphs hold ndt rows: candidate sources get no extra slots there
 
@@ -84,8 +93,9 @@ def check_configs(device: str, *, runtimes=("torch", "torch-cuda-graphs"), token
                     wall += res.stats["wall_seconds"]
                     forwards += res.stats["target_forwards"]
                 row.update(tokens_per_second=new / wall if wall else None, accept_length_mean=new / forwards if forwards else None)
-                if cfg.autoregressive and runtime == runtimes[0]:
-                    greedy = dict(enumerate(outs))
+                if cfg.autoregressive and runtime == runtimes[0]:  # each precision's own greedy decoding
+                    greedies[cfg.runtime.precision] = dict(enumerate(outs))
+                greedy = greedies.get(cfg.runtime.precision)
                 if greedy:
                     diverged = [_first_divergence(outs[i], greedy[i]) for i in range(len(outs))]
                     row["equal_to_greedy"] = all(d is None for d in diverged)
