@@ -66,15 +66,12 @@ def check_configs(device: str, *, runtimes=("torch", "torch-cuda-graphs"), token
             log(f"config_check: {label} ...")
             row: dict = {"config": path.stem, "runtime": runtime}
             try:
+                quantized = load_config(path).runtime.quantization != "none"  # the int8 target: its own bfloat16
+                if quantized and not device.startswith("cpu"):
+                    report["skipped"].append(f"{label}: runtime.quantization runs on CPUs")
+                    continue
                 cfg = load_config(path, [f"runtime.name={runtime}", f"runtime.device={device}",
-                                         f"generation.max_new_tokens={tokens}"])
-                if cfg.runtime.quantization != "none":  # the int8 target: CPUs, bfloat16 around its int8 matmuls
-                    if not device.startswith("cpu"):
-                        report["skipped"].append(f"{label}: runtime.quantization {cfg.runtime.quantization} runs on CPUs")
-                        continue
-                else:
-                    cfg = load_config(path, [f"runtime.name={runtime}", f"runtime.device={device}", "runtime.dtype=float32",
-                                             f"generation.max_new_tokens={tokens}"])
+                                         f"generation.max_new_tokens={tokens}"] + ([] if quantized else ["runtime.dtype=float32"]))
                 if runtime != "torch" and any(getattr(s.params, "extra_slots", 0) for s in cfg.sources):
                     import attrs  # static verify graphs hold ndt rows: candidate sources get no extra slots there
 

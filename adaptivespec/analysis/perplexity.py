@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     ap.add_argument("--write-text", metavar="PATH", help="write the held-out text here (for llama-perplexity -f) and exit")
     ap.add_argument("--ctx", type=int, default=512)
     args = ap.parse_args(argv)
-    text = Path(args.text).read_text() if args.text else held_out_text()
+    source = Path(args.text) if args.text else DATA
+    if not source.is_file():
+        print(f"perplexity: --text: {source}: file not found (expected a UTF-8 text file)", file=sys.stderr)
+        return 2
+    text = source.read_text() if args.text else held_out_text()
     if args.write_text:
         Path(args.write_text).write_text(text)
         print(f"wrote {len(text)} characters to {args.write_text}")

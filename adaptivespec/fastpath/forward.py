@@ -196,9 +196,6 @@ class AttentionPlan:
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
                scale: float | None) -> torch.Tensor:
         """q [1, H, n, D] over the cache's keys / values [1, Hkv, past + n, D] -> [1, H, n, D]."""
-        if self.native is not None:
-            _, H, n, D = q.shape
-            return self.attend_rows(q, keys, values, past, scale).view(n, H, D).transpose(0, 1).unsqueeze(0)
         if self.split:
             return attend_after_prefix(q, keys, values, past, scale)
         return attend(q, keys, values, self.mask, self.folded, self.causal, scale)

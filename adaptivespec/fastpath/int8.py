@@ -24,9 +24,6 @@ from typing import Iterable
 
 import torch
 
-QUANTIZATIONS = ("none", "int8")
-"""``runtime.quantization`` values."""
-
 VNNI_MAX_ROWS = 16
 """Up to this many rows (two for a layer of more than 4,096 outputs, the LM head) our VNNI kernel runs
 the matmul (its fixed cost per call is a third of oneDNN's); beyond, oneDNN's ``qlinear`` (faster
@@ -103,8 +100,7 @@ class Int8Weight:
         k = self.in_features // groups
         self.parts = [self.qweight[:, g * k:(g + 1) * k].contiguous() for g in range(groups)] if groups > 1 else None
         self.vnni = None  # (weight in the VNNI layout, 128 x each slice's column sums): our own kernel, few rows
-        if (self.native is not None and self.native.has_vnni() and self.out_features % 16 == 0
-                and (self.in_features // groups) % 4 == 0):
+        if self.native is not None and self.native.has_vnni() and self.out_features % 16 == 0 and k % 4 == 0:
             sums = self.qweight.view(self.out_features, groups, k).sum(-1, dtype=torch.int32).t().contiguous()
             self.vnni = (self.native.pack_weight(self.qweight), sums.mul_(128))
         if kernel_name() == "onednn" and self.qweight.device.type == "cpu":
@@ -119,25 +115,24 @@ class Int8Weight:
         return _QLINEAR.default(q, 1.0, 128, self.packed[g], self.scale, self.zero, None, 1.0, 0, torch.float32,
                                 "none", [], "")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.vnni is not None and (rows <= 2 or (rows <= VNNI_MAX_ROWS and self.out_features <= 4096)
-                                      or self.packed is None):  # two C++ calls
-            M, G = x.shape[0], self.groups
-            if G == 1:
-                q, amax = self.native.quantize_rows(x, self.smooth)
-            else:
-                xs = x.float() if self.smooth is None else x.float() * self.smooth
-                q, amax = self.native.quantize_rows(xs.view(M * G, -1), None)
-            return self.native.int8_linear(q.view(M, -1), amax.view(M, G), self.vnni[0], self.vnni[1], self.scale,
-                                           self.bias, x.dtype)
-        if self.groups == 1:
-            q, amax = quantize_rows(x, self.smooth, self.native)
-            return scale_rows(self.products(q), amax, self.bias, x.dtype, self.native)  # float(acc) * sw/127 * max|x|
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [M, K] -> (uint8 [M, K], ``max|x|`` [M, groups]): a scale per row and per slice of K."""
         M, G = x.shape[0], self.groups
+        if G == 1:
+            return quantize_rows(x, self.smooth, self.native)
         xs = x.float() if self.smooth is None else x.float() * self.smooth
-        q, amax = quantize_rows(xs.view(M * G, -1), None, self.native)  # a scale per row and slice
-        q, amax = q.view(M, G, -1), amax.view(M, G)
+        q, amax = quantize_rows(xs.view(M * G, -1), None, self.native)
+        return q.view(M, -1), amax.view(M, G)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, G = x.shape[0], self.groups
+        q, amax = self.quantize(x)
+        if self.vnni is not None and (rows <= 2 or (rows <= VNNI_MAX_ROWS and self.out_features <= 4096)
+                                      or self.packed is None):  # our VNNI kernel, the scaling fused
+            return self.native.int8_linear(q, amax, self.vnni[0], self.vnni[1], self.scale, self.bias, x.dtype)
+        if G == 1:
+            return scale_rows(self.products(q), amax, self.bias, x.dtype, self.native)  # float(acc) * sw/127 * max|x|
+        q = q.view(rows, G, -1)
         y = self.products(q[:, 0].contiguous(), 0).mul_(amax[:, 0:1])
         for g in range(1, G):  # the slices' results added in order: the same sums whatever the rows
             y.add_(self.products(q[:, g].contiguous(), g).mul_(amax[:, g:g + 1]))
@@ -182,7 +177,7 @@ class Int8Linear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized weight (``qweight * scale / s``) in float32: what the layer multiplies by."""
         w = self.qweight.float() * self.scale[:, None]
-        return w if self.inv_smooth is None else w * self.inv_smooth.float()[None, :]
+        return w if self.inv_smooth is None else w * self.inv_smooth[None, :]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel(x.reshape(-1, self.in_features))

@@ -1,11 +1,11 @@
 """The int8 target's C++ kernels (``csrc/int8_ops.cpp``), compiled at first use and cached.
 
-Three kernels whose every output is computed by the same code in the same order from its own row:
-per-row activation quantization, the matmul's per-row scaling, and attention over a row's visible
-keys in ascending order (an online softmax, one pass). They make the int8 target's forward
+Kernels whose every output is computed by the same code in the same order from its own row: per-row
+activation quantization, the matmul's per-row scaling, RMSNorm, an AVX512-VNNI int8 matmul for few
+rows, and attention over a row's visible keys in ascending order (an online softmax, one pass). They make the int8 target's forward
 independent of the layout it runs in (one row, a tree, a prefill chunk, a batch), so strict
 speculation reproduces its greedy decoding token for token. Built with torch's C++ extension
-loader (a C++ compiler and ninja; ``-march=native``, cached under ``<cache>/native/<cpu>``, ~30 s
+loader (a C++ compiler and ninja; ``-march=native``, cached under ``<cache>/native/<cpu>``, ~20 s
 once); where it cannot be built the int8 target runs torch's ops instead (say so once) and its
 attention rounds by layout (docs/int8.md). ``$ADAPTIVESPEC_NO_NATIVE=1`` skips it.
 """
@@ -27,7 +27,8 @@ _STATE: dict[str, object] = {}
 
 
 def ops():
-    """The compiled module (``quantize_rows``, ``scale_rows``, ``attend``), or None (see :func:`why_not`)."""
+    """The compiled module (``quantize_rows``, ``scale_rows``, ``rms_norm``, ``pack_weight``, ``has_vnni``,
+    ``int8_linear``, ``attend``), or None (see :func:`why_not`)."""
     if "ops" not in _STATE:
         _STATE["ops"], _STATE["why"] = _build()
         if _STATE["ops"] is None:
