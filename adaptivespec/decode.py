@@ -28,7 +28,7 @@ from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
 from adaptivespec.sampling import Sampler
-from adaptivespec.types import StepRecord
+from adaptivespec.types import StepRecord, VerifyResult
 
 _MODELS: dict[tuple, Any] = {}
 
@@ -74,6 +74,22 @@ class GenerationResult:
     accepted_by_source (speculative configs: accepted tokens per proposer, see StepRecord)."""
     records: list[StepRecord] = attrs.field(factory=list)
     prompt_id: Any = None
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    """With ``logprobs`` asked: per generated token ``(id, log-probability, [(id, log-probability)]
+    of the target's top ones)``, the target's own (its log-softmax, before temperature, top-k/p
+    and grammar masks), read from the forward that verified the token. None when not asked."""
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """``(token, log p(token), top-``top`` [(id, log p)])`` per row of target logits ``rows`` [m, V]
+    and the token emitted from it, in one transfer to the host."""
+    lsm = rows[: len(tokens)].float().log_softmax(-1)
+    ids = torch.tensor(tokens, dtype=torch.long, device=lsm.device)
+    chosen = lsm.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    if not top:
+        return [(t, lp, []) for t, lp in zip(tokens, chosen)]
+    best = lsm.topk(top, -1)
+    return [(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, best.indices.tolist(), best.values.tolist())]
 
 
 class Engine:
@@ -120,8 +136,18 @@ class Engine:
         """The primary EOS id (the tokenizer's) or None; :attr:`eos_ids` holds them all."""
         self._stops: frozenset[int] = self.eos_ids  # this generation's: eos_ids and the request's stop_ids
         self._observe = host.has_observers("adaptivespec_step")
+        self.sampling = self.sampler
+        """The config's sampler (None: greedy); a generation with its own settings gets its own."""
         self.constraint = None
         """The running generation's grammar state (None: free text)."""
+        self.logprobs: int | None = None
+        """Top log-probabilities kept per token by the running generation (None: none kept)."""
+        self.token_logprobs: list = []
+        self.last_rows: torch.Tensor | None = None
+        self._on_logprobs = None
+        self.finish_reason: str | None = None
+        """Why the running generation ended (``"stop"``: a stop id or the grammar's end;
+        ``"length"``), set by :meth:`take`; None while it runs."""
 
     @property
     def policy(self):
@@ -169,6 +195,110 @@ class Engine:
             return None
         return GrammarBackend.for_tokenizer(self.tokenizer, self.target.config.vocab_size).constraint(fmt)
 
+    # -- a generation, step by step: the surface the one-request loop and the batch engine share ----
+    def begin(self, prompt_ids: list[int], *, seed: int | None = None, response_format=None,
+              stop_ids: Iterable[int] | None = None, sampling=None, logprobs: int | None = None,
+              on_logprobs: Callable[[list], None] | None = None) -> None:
+        """Start a generation of ``prompt_ids`` on this engine: the stop ids (:attr:`eos_ids` and
+        ``stop_ids``), the sampler (the config's, or ``sampling``'s own settings: an object with
+        ``temperature``, ``top_k``, ``top_p``, ``min_p``; temperature 0 is greedy) seeded with
+        ``seed`` (default ``generation.seed``), the policy, the grammar state of ``response_format``
+        (default the config's) and the proposers; ``logprobs`` (None: off) the number of top
+        log-probabilities kept per token beside the emitted one's, each step's handed to
+        ``on_logprobs`` before its tokens go to ``on_tokens``. :meth:`generate_ids` and each lane of
+        a batch call it."""
+        self._stops = self.eos_ids.union(int(i) for i in stop_ids) if stop_ids else self.eos_ids
+        sampler = self.sampling  # the config's
+        if sampling is not None:
+            sampler = None if sampling.temperature == 0 else Sampler(sampling.temperature, sampling.top_k, sampling.top_p,
+                                                                      sampling.min_p, self.runtime.device)
+        if sampler is not None:
+            sampler.reseed(self.config.generation.seed if seed is None else seed)
+        self.sampler = self.runtime.sampler = self.verifier.sampler = sampler
+        self.policy.reset()
+        self.constraint = constraint = self.make_constraint(response_format)
+        self.runtime.logits_processor = constraint.mask_next if constraint is not None else None
+        self.proposer.reset(prompt_ids, constraint)
+        self.finish_reason = None
+        self.logprobs, self._on_logprobs, self.token_logprobs = logprobs, on_logprobs, []
+        self.runtime.keep_logits = logprobs is not None
+        self.last_rows = None
+
+    def take(self, out: list[int], tokens: list[int], limit: int, on_tokens=None, rows: torch.Tensor | None = None) -> bool:
+        """Append ``tokens`` to ``out`` up to a stop id (an EOS or the request's, inclusive), the
+        ``limit`` or the grammar's end; True when the generation is finished, its
+        :attr:`finish_reason` then ``"stop"`` or ``"length"``. ``rows``: the target's logits rows
+        the tokens were picked from (their log-probabilities, when the generation keeps them)."""
+        room = limit - len(out)
+        chunk = tokens[:room]
+        stops = self._stops
+        stopped = next((i for i, t in enumerate(chunk) if t in stops), None) if stops else None
+        if stopped is not None:
+            chunk = chunk[: stopped + 1]
+        if self.constraint is not None:  # the grammar follows the emitted tokens, up to its stop token
+            chunk = chunk[: self.constraint.accept(chunk)]
+        out.extend(chunk)
+        if self.logprobs is not None and chunk and rows is not None:
+            entries = token_logprobs(rows, chunk, self.logprobs)
+            self.token_logprobs.extend(entries)
+            if self._on_logprobs is not None:
+                self._on_logprobs(entries)
+        if on_tokens is not None and chunk:
+            on_tokens(chunk)
+        if (self.constraint is not None and self.constraint.terminated) or (bool(chunk) and chunk[-1] in stops):
+            self.finish_reason = "stop"
+        elif len(out) >= limit:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def verify(self, tree, logits: torch.Tensor, position: int) -> VerifyResult:
+        """The verifier's rule over ``tree``'s rows of target ``logits`` [n, V], the root row's token
+        being sequence position ``position``'s: logits processing first (with a response format,
+        every node's row masked by the grammar along its path: a forbidden token gets p = 0), and
+        the sampler told where its keyed choices sit (a seed gives the same text whatever the tree).
+        With log-probabilities kept, :attr:`last_rows` holds the target's rows the emitted tokens
+        came from (before the masks), for :meth:`take`."""
+        raw = logits.clone() if self.logprobs is not None and self.constraint is not None else logits
+        if self.constraint is not None:  # (its time: other_ms, and stats["mask_ms_per_step"])
+            self.constraint.mask_tree(tree, logits)
+        if self.sampler is not None:
+            self.sampler.at(position)
+        result = self.verifier.verify(tree, logits)
+        if self.logprobs is not None:
+            self.last_rows = raw[torch.tensor(result.path, device=raw.device)]
+        return result
+
+    def learn(self, proposal, tree, result: VerifyResult, emitted: list[int], path: list[int] | None = None) -> dict[str, int]:
+        """The policy and the proposers see a verified step (``path``: the accepted path in the
+        proposal's own tree where ``tree`` is a cut of it); returns the accepted tokens per proposer."""
+        self.policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
+        accounted = result if path is None else attrs.evolve(result, path=path)
+        return self.proposer.observe(proposal, accounted, emitted)
+
+    def report(self, record: StepRecord, on_step=None) -> None:
+        """A step is done: the policy (drafted steps), ``on_step`` and the observer plugins see its record."""
+        if record.undrafted is None:
+            self.policy.observe(record)
+        if on_step is not None:
+            on_step(record)
+        if self._observe:
+            self.host.pm.hook.adaptivespec_step(record=record)
+
+    def finish(self, out: list[int], stats: dict[str, Any], records: list[StepRecord], prompt_id: Any = None) -> GenerationResult:
+        """The generation is over (``out`` its tokens): the proposers remember it, the observer
+        plugins get the result (once per generation)."""
+        if self.proposer.active:
+            stats["accepted_by_source"] = dict(self.proposer.accepted)
+        if self.constraint is not None:  # host time computing and applying the grammar's masks, per target forward
+            stats["mask_ms_per_step"] = self.constraint.mask_seconds * 1e3 / max(self.constraint.mask_calls, 1)
+        self.proposer.finish(out)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        res = GenerationResult(token_ids=out, text=text, stats=stats, records=records, prompt_id=prompt_id,
+                               logprobs=self.token_logprobs if self.logprobs is not None else None)
+        if self.host.has_observers("adaptivespec_generation_done"):
+            self.host.pm.hook.adaptivespec_generation_done(result=res)
+        return res
+
     def generate_ids(
         self,
         prompt_ids: list[int],
@@ -179,47 +309,51 @@ class Engine:
         seed: int | None = None,
         response_format=None,
         stop_ids: Iterable[int] | None = None,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list], None] | None = None,
+        sampling=None,
     ) -> GenerationResult:
-        """Generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids.
+        """Generation from ``prompt_ids``; ``on_tokens`` receives each step's new ids, ``on_step``
+        each step's record (as the ``adaptivespec_step`` observers do); ``logprobs``: keep each
+        token's log-probability and that many top ones (:attr:`GenerationResult.logprobs`; each
+        step's to ``on_logprobs`` too); ``sampling``: this generation's own settings (see :meth:`begin`).
 
-        Greedy at ``generation.temperature`` 0; otherwise sampled, the generator reseeded with
-        ``seed`` (default ``generation.seed``) so that a seed always gives the same output.
-        ``response_format`` (a :class:`~adaptivespec.response_format.ResponseFormat`; default the
-        config's ``generation.response_format``) constrains the output. ``stop_ids``: token ids that
-        end this generation besides :attr:`eos_ids` (the API's ``stop_token_ids``; kept in the output,
-        as an EOS is)."""
+        Greedy at ``generation.temperature`` 0; otherwise sampled, the token at each position keyed
+        by ``seed`` (default ``generation.seed``) and the position, so that a seed always gives the
+        same output (:mod:`adaptivespec.sampling`). ``response_format`` (a
+        :class:`~adaptivespec.response_format.ResponseFormat`; default the config's
+        ``generation.response_format``) constrains the output. ``stop_ids``: token ids that end this
+        generation besides :attr:`eos_ids` (the API's ``stop_token_ids``; kept in the output, as an
+        EOS is)."""
         limit = max_new_tokens or self.config.generation.max_new_tokens
-        self._stops = self.eos_ids.union(int(i) for i in stop_ids) if stop_ids else self.eos_ids
-        if self.sampler is not None:
-            self.sampler.reseed(self.config.generation.seed if seed is None else seed)
-        rt, proposer = self.runtime, self.proposer
-        speculative = proposer.active
+        rt = self.runtime
+        speculative = self.proposer.active
         out: list[int] = []
         records: list[StepRecord] = []
         t0 = time.perf_counter()
-        self.policy.reset()
-        self.constraint = constraint = self.make_constraint(response_format)
-        rt.logits_processor = constraint.mask_next if constraint is not None else None
-        proposer.reset(prompt_ids, constraint)
-        done = self._take(out, [rt.prefill(prompt_ids, limit)], limit, on_tokens)
+        self.begin(prompt_ids, seed=seed, response_format=response_format, stop_ids=stop_ids, logprobs=logprobs,
+                   on_logprobs=on_logprobs, sampling=sampling)
+        done = self.take(out, [rt.prefill(prompt_ids, limit)], limit, on_tokens, getattr(rt, "last_rows", None))
         prefill = time.perf_counter() - t0  # to the first token (the prompt's forward; for a drafter, its too)
-        proposer.extend(out)
-        forwards, promoted, last_accepted, step = 1, 0, -1, 0
+        self.proposer.extend(out)
+        promoted, last_accepted, step = 0, -1, 0
         while not done:
             if not speculative:  # plain decoding: one target forward, one token
-                done = self._take(out, [rt.ar_step()], limit, on_tokens)
+                t, n_before = time.perf_counter(), len(out)
+                done = self.take(out, [rt.ar_step()], limit, on_tokens, getattr(rt, "last_rows", None))
+                record = StepRecord(step=step, shape=None, tree_size=1, accepted=0, promoted=0, new_tokens=len(out) - n_before,
+                                    draft_ms=0.0, verify_ms=(time.perf_counter() - t) * 1e3, other_ms=0.0,
+                                    undrafted="autoregressive")
             else:
                 record, done = self._step(step, last_accepted, out, limit, on_tokens)
-                records.append(record)
-                if on_step is not None:
-                    on_step(record)
-                if self._observe:
-                    self.host.pm.hook.adaptivespec_step(record=record)
                 promoted += record.promoted
-                last_accepted, step = record.accepted, step + 1
-            forwards += 1
+                last_accepted = record.accepted
+            records.append(record)
+            self.report(record, on_step)
+            step += 1
 
         wall = time.perf_counter() - t0
+        forwards = 1 + len(records)
         stats = {
             "new_tokens": len(out),
             "target_forwards": forwards,
@@ -228,17 +362,9 @@ class Engine:
             "tokens_per_second": len(out) / wall if wall > 0 else 0.0,
             "prefill_seconds": prefill,
             "promoted_tokens": promoted,
+            "finish_reason": self.finish_reason,
         }
-        if speculative:
-            stats["accepted_by_source"] = dict(proposer.accepted)
-        if constraint is not None:  # host time computing and applying the grammar's masks, per target forward
-            stats["mask_ms_per_step"] = constraint.mask_seconds * 1e3 / max(constraint.mask_calls, 1)
-        proposer.finish(out)
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        res = GenerationResult(token_ids=out, text=text, stats=stats, records=records)
-        if self.host.has_observers("adaptivespec_generation_done"):
-            self.host.pm.hook.adaptivespec_generation_done(result=res)
-        return res
+        return self.finish(out, stats, records)
 
     def _step(self, step: int, last_accepted: int, out: list[int], limit: int, on_tokens) -> tuple[StepRecord, bool]:
         """One speculative step: propose, verify, commit, observe. Appends the emitted tokens to
@@ -253,21 +379,17 @@ class Engine:
         tree = proposal.tree
         t_draft = time.perf_counter()
         # 2. verify: one target forward over the tree (logits [n, V], one row per node), then the
-        #    verifier's rule. Logits processing goes between the two: with a response format every
-        #    node's row is masked by the grammar along its path (a forbidden token gets p = 0).
+        #    verifier's rule (logits processing between the two: :meth:`verify`)
         logits, hidden = rt.verify_forward(tree)
         t_verify = time.perf_counter()
-        if self.constraint is not None:  # (its time: other_ms, and stats["mask_ms_per_step"])
-            self.constraint.mask_tree(tree, logits)
-        result = self.verifier.verify(tree, logits)
-        policy.observe_tree(tree, result)  # per-node learning (a no-op for most policies)
+        result = self.verify(tree, logits, rt.P + 1)
         # 3. commit: emit accepted + bonus tokens; keep the accepted path in both caches
         n_before = len(out)
-        done = self._take(out, result.tokens, limit, on_tokens)
+        done = self.take(out, result.tokens, limit, on_tokens, self.last_rows)
         if not done:
             rt.commit(tree, result, hidden)
-        # 4. observe: the proposers see what was emitted and accepted; the policy sees the record
-        by_source = proposer.observe(proposal, result, out[n_before:])
+        # 4. observe: the policy and the proposers see what was emitted and accepted
+        by_source = self.learn(proposal, tree, result, out[n_before:])
         t_end = time.perf_counter()
         record = StepRecord(
             step=step,
@@ -283,22 +405,4 @@ class Engine:
             policy_state=policy.state(),
             accepted_by_source=by_source,
         )
-        policy.observe(record)
         return record, done
-
-    def _take(self, out: list[int], tokens: list[int], limit: int, on_tokens) -> bool:
-        """Append ``tokens`` up to a stop id (an EOS or the request's, inclusive), the limit or the
-        grammar's end; True when generation is finished."""
-        room = limit - len(out)
-        chunk = tokens[:room]
-        stops = self._stops
-        stopped = next((i for i, t in enumerate(chunk) if t in stops), None) if stops else None
-        if stopped is not None:
-            chunk = chunk[: stopped + 1]
-        if self.constraint is not None:  # the grammar follows the emitted tokens, up to its stop token
-            chunk = chunk[: self.constraint.accept(chunk)]
-        out.extend(chunk)
-        if on_tokens is not None and chunk:
-            on_tokens(chunk)
-        ended = self.constraint is not None and self.constraint.terminated
-        return ended or len(out) >= limit or (bool(chunk) and chunk[-1] in stops)

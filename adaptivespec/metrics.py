@@ -26,7 +26,9 @@ name                                                         type       what
                                                                         settled whose head's draft-extend
                                                                         over the prompt was skipped
 ``adaptivespec_verify_rows_per_step``                        histogram  rows the target verified in one
-                                                                        step (batch size x ndt)
+                                                                        forward (batch size x ndt; a
+                                                                        batch's: its decoders' trees and
+                                                                        plain rows, once per forward)
 ``adaptivespec_load_choice_draft_tokens{batch_size}``        gauge      ndt the load controller last ran
                                                                         at that batch size
 ``adaptivespec_load_capped_steps_total{batch_size}``         counter    steps the load controller ran
@@ -108,14 +110,28 @@ class SpecMetrics:
         for a in accepted_per_request:
             self.accepted_per_step.observe(a)
         self.steps.labels(shape=shape_label(shape)).inc()
-        self.verify_rows.observe(bs * (verify_width or shape.ndt))
+        self.observe_rows(bs * (verify_width or shape.ndt))
         by_source = accepted_by_source if accepted_by_source is not None else {"head": sum(accepted_per_request)}
-        for source, n in by_source.items():
-            if n:
-                self.accepted.labels(source=source).inc(n)
+        self._accepted(by_source)
         self.load_choice.labels(batch_size=str(bs)).set(shape.ndt)
         if policy_shape is not None and policy_shape != shape:
             self.load_capped.labels(batch_size=str(bs)).inc()
+
+    def observe_request_step(self, *, shape: TreeShape, accepted: int, accepted_by_source: Mapping[str, int]) -> None:
+        """One request's drafted step inside a packed forward of many (the forward's rows go to
+        :meth:`observe_rows` once): its accepted tokens, its shape, who proposed what."""
+        self.accepted_per_step.observe(accepted)
+        self.steps.labels(shape=shape_label(shape)).inc()
+        self._accepted(accepted_by_source)
+
+    def observe_rows(self, rows: int) -> None:
+        """One target forward verified ``rows`` rows (its decoding requests' trees and plain rows)."""
+        self.verify_rows.observe(rows)
+
+    def _accepted(self, by_source: Mapping[str, int]) -> None:
+        for source, n in by_source.items():
+            if n:
+                self.accepted.labels(source=source).inc(n)
 
     def declare_sources(self, names: Sequence[str]) -> None:
         """Export ``accepted_tokens_total`` for these proposers from the start, at zero."""

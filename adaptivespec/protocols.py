@@ -49,6 +49,12 @@ class Sampling(Protocol):
         """One token per row of non-negative ``weights`` [..., V] (need not sum to 1): [...]."""
         ...
 
+    def choose(self, probs: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """[n] the target's keyed choice at each row of ``probs`` [n, V], row ``i`` giving the token
+        ``depth[i]`` positions past the step's first: a function of the request's seed, the position
+        and the row alone (the same text for a seed whatever the tree; ``strict``'s rule)."""
+        ...
+
 
 class GrammarState(Protocol):
     """The generation's grammar state, as a candidate source reads it."""

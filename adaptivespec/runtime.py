@@ -73,6 +73,11 @@ class TorchRuntime:
     """A callable that changes the next token's logits ([V]) in place before prefill and
     :meth:`ar_step` pick from them; the engine sets the grammar's mask here for structured output
     (None: the logits as computed). Verify trees are masked by the engine, not here."""
+    keep_logits = False
+    """Keep the row :meth:`pick` picked from, before processing, in :attr:`last_rows` (the engine
+    sets it for a generation that returns log-probabilities)."""
+    last_rows = None
+    """[1, V] the logits row of the last :meth:`pick`, as the target gave them (with :attr:`keep_logits`)."""
 
     def __init__(self, target, drafter=None, config=None) -> None:
         self.target = target
@@ -177,7 +182,7 @@ class TorchRuntime:
             if pad:
                 self.cache.crop(-pad)
             if end == n:
-                self.root = self._pick(out.logits[0, 0])  # the chunk's last real row
+                self.root = self.pick(out.logits[0, 0], n)  # the chunk's last real row: position n's token
             if d is not None:
                 state = d.fuse(out.hidden_states)  # [1, rows + pad, H]: causal, the real rows' as unpadded
                 tokens = ids[start + 1 : end + 1] if end < n else torch.cat([ids[start + 1 :], self.root.reshape(1)])
@@ -191,11 +196,15 @@ class TorchRuntime:
             self._set_root(last)
         return int(self.root)
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token from the last position's logits [V] (processed first, when set)."""
+    def pick(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """The token of sequence position ``position`` from the logits [V] of the row before it
+        (processed first, when set): greedy, or the sampler's keyed choice there."""
+        if self.keep_logits:
+            self.last_rows = (logits.clone() if self.logits_processor is not None else logits).unsqueeze(0)
         if self.logits_processor is not None:
             self.logits_processor(logits)
-        return pick_next(self.sampler, logits)
+        return pick_next(self.sampler, logits, position)
+
 
     def _set_root(self, state: torch.Tensor) -> None:
         self.root_state = state
@@ -207,7 +216,7 @@ class TorchRuntime:
         """One plain decoding step: run the root, return the next token (greedy, or drawn with the sampler)."""
         out = self.forward(input_ids=self.root.reshape(1, 1), cache=self.cache, use_cache=True, logits_to_keep=1)
         self.P += 1
-        self.root = self._pick(out.logits[0, -1])
+        self.root = self.pick(out.logits[0, -1], self.P)
         return int(self.root)
 
     # -- speculative step -----------------------------------------------------------------------

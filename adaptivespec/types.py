@@ -156,6 +156,11 @@ class StepRecord:
     accepted_by_source: dict[str, int] = attrs.field(factory=dict)
     """Accepted tokens per proposer: ``head`` (the drafter) and each candidate source by name; a
     node proposed by two counts for both. Empty for plain decoding steps."""
+    undrafted: str | None = None
+    """Why the step drafted nothing: ``"autoregressive"`` (the config never drafts), ``"load"`` (a
+    batch's row budget ran a plain step); None for a drafted step (a tree the policy cut to its
+    root included). Every target forward after the prefill has a record, so a generation's
+    records' ``new_tokens`` add up to its tokens less the prefill's first one."""
 
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self, recurse=False)

@@ -35,6 +35,11 @@ TEXTS = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], REPEAT]
 SLOTS = 3
 
 
+
+def drafted(r) -> list:
+    """A request's records of the steps that drafted for it (the row budget's plain steps left out)."""
+    return [x for x in r.records if x.undrafted is None]
+
 def config(name: str, *overrides: str):
     return load_config(ROOT / "configs" / name, overrides=["runtime.dtype=float32", *overrides])
 
@@ -191,7 +196,8 @@ def test_every_request_decodes_as_greedy_alone(name, engines, greedy_reference, 
         assert r.finish_reason == expected_reason(ref, eos), text
     records = [rec for r in reqs for rec in r.records]
     if name == "ar":
-        assert not records and all(r.forwards == len(r.out) for r in reqs)  # one row, one token, per step
+        assert all(rec.undrafted == "autoregressive" and rec.tree_size == 1 for rec in records)
+        assert all(r.forwards == len(r.out) == len(r.records) + 1 for r in reqs)  # one row, one token, per step
         return
     if name == "batched-steep":  # no row that costs anything is bought: only the forward's padding is filled
         from adaptivespec.fastpath.batched import padded_rows
@@ -222,8 +228,8 @@ def test_every_request_decodes_as_greedy_alone(name, engines, greedy_reference, 
         alone = Engine(config(CONFIGS[name][0]), structured=True)
         for r, (ids, ref) in zip(reqs[:2], refs):
             solo = alone.generate_ids(ids, max_new_tokens=N)
-            assert [x.accepted for x in r.records] == [x.accepted for x in solo.records], name
-            assert [x.tree_size for x in r.records] == [x.tree_size for x in solo.records], name
+            assert [x.accepted for x in drafted(r)] == [x.accepted for x in solo.records], name
+            assert [x.tree_size for x in drafted(r)] == [x.tree_size for x in solo.records], name
 
 
 def test_head_follows_steps_that_verify_no_draft(engines, greedy_reference):
@@ -237,12 +243,12 @@ def test_head_follows_steps_that_verify_no_draft(engines, greedy_reference):
         pin_speculation(be.budget, drafts=False)
         for _ in range(5):  # the prefill, then plain steps
             be.step()
-        assert not any(r.records for r in reqs)  # no step drafted yet
+        assert all(rec.undrafted == "load" for r in reqs for rec in r.records)  # no step drafted yet
         pin_speculation(be.budget)
         be.step()  # drafts (its trees cut to the root): the head is brought up to date first
     finally:
         del be.budget.speculate
-    assert all(len(r.records) == 1 and r.records[0].tree_size == 1 for r in reqs)
+    assert all(len(drafted(r)) == 1 and drafted(r)[0].tree_size == 1 for r in reqs)
     alone = Engine(config("batched.yaml")).runtime
     for r in reqs:
         rt = r.lane.engine.runtime
@@ -474,7 +480,7 @@ def test_long_prompt_is_read_in_chunks_while_others_decode(greedy_reference):
     assert sum(bool(p.decoders) for p, _ in chunks) >= 3  # read over several steps beside the decoders
     assert (a.out, b.out, long.out) == (a_ref, b_ref, l_ref)
     solo = Engine(config("eagle3.yaml")).generate_ids(l_ids, max_new_tokens=32)
-    assert [x.accepted for x in long.records] == [x.accepted for x in solo.records]
+    assert [x.accepted for x in drafted(long)] == [x.accepted for x in solo.records]
 
 
 def test_a_prompt_read_over_plain_and_drafting_steps_reaches_the_head_in_order(greedy_reference):
@@ -501,7 +507,7 @@ def test_a_prompt_read_over_plain_and_drafting_steps_reaches_the_head_in_order(g
         be.step()
         chunks += 1
     assert chunks >= 4  # read over plain and drafting steps alike
-    while not long.records:  # its first drafting step brings the head up to date
+    while not drafted(long):  # its first drafting step brings the head up to date
         be.step()
     rt, lane = long.lane.engine.runtime, long.lane
     assert rt.P == len(l_ids) + len(long.out) - 1 == lane.kv.length
@@ -533,12 +539,12 @@ def test_an_exploring_step_drafts_for_one_request_in_eight_and_stays_lossless(en
     modes = iter([True, False] * 100)
     turns = []
     for _ in range(3):  # three exploring steps: each drafts for one request, each request in turn
-        before = [len(r.records) for r in reqs]
+        before = [len(drafted(r)) for r in reqs]
         be.step()
-        drafted = [r for r, n in zip(reqs, before) if len(r.records) > n]
-        assert len(drafted) == 1 and not drafted[0].lane.pending  # its head caught up to draft
-        assert all(r.lane.pending for r in reqs if r is not drafted[0])  # the others' still behind
-        turns.append(drafted[0])
+        now = [r for r, n in zip(reqs, before) if len(drafted(r)) > n]
+        assert len(now) == 1 and not now[0].lane.pending  # its head caught up to draft
+        assert all(r.lane.pending for r in reqs if r is not now[0])  # the others' still behind
+        turns.append(now[0])
         be.step()  # plain
     assert sorted(r.rid for r in turns) == sorted(r.rid for r in reqs)
     until_idle(be)

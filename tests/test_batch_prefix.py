@@ -177,10 +177,10 @@ def test_a_cached_prefix_gives_the_head_the_state_it_reaches_reading_the_whole_p
     assert third.cached == len(ids) - 1 and third.status is Status.DECODE
     assert [(int(p[2][0]), int(p[2][-1])) for p in third.lane.pending] == [(0, len(ids) - 1)]
     be.step()
-    assert [int(p[2][0]) for p in third.lane.pending] == [0, len(ids)] and not third.records
+    assert [int(p[2][0]) for p in third.lane.pending] == [0, len(ids)] and not any(x.undrafted is None for x in third.records)
     pin_speculation(be.budget)
     be.step()  # the first drafting step brings the head up to date first
-    assert third.records and not third.lane.pending
+    assert any(x.undrafted is None for x in third.records) and not third.lane.pending
     rt = third.lane.engine.runtime
     assert rt.P == len(ids) + len(third.out) - 1 == third.lane.kv.length
     assert alone.prefill(ids + third.out[:-1], N) == third.out[-1]
@@ -188,7 +188,7 @@ def test_a_cached_prefix_gives_the_head_the_state_it_reaches_reading_the_whole_p
     while be.busy:
         be.step()
     assert first.out == again.out == third.out == ref and other.out == other_ref
-    assert [x.accepted for x in again.records] == [x.accepted for x in first.records]
+    assert [x.accepted for x in again.records if x.undrafted is None] == [x.accepted for x in first.records if x.undrafted is None]
 
 
 @pytest.mark.model

@@ -98,9 +98,8 @@ def test_strict_fields_restores_the_400s(said, field):
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"n": 3}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -334,8 +333,8 @@ def test_a_dead_worker_fails_the_running_and_queued_requests_and_health_says_503
     engine = service.engine
     engine.gate.clear()  # the first generation waits at its first step
 
-    def broken_sampler(*a, **k):
-        raise RuntimeError("sampler exploded")
+    def broken(*a, **k):
+        raise RuntimeError("bookkeeping exploded")
 
     with uvicorn_on_loopback(build_app(service)) as port:
         answers: dict[str, tuple[int, dict]] = {}
@@ -347,25 +346,25 @@ def test_a_dead_worker_fails_the_running_and_queued_requests_and_health_says_503
         threads = [threading.Thread(target=ask, args=("running", {**CHAT, "max_tokens": 3}))]
         threads[0].start()
         assert wait_for(lambda: service.worker.busy)
-        for name in ("queued1", "queued2"):  # sampled: their run builds a sampler (outside any generation)
+        for name in ("queued1", "queued2"):  # their run times their wait (outside any generation)
             threads.append(threading.Thread(target=ask, args=(name, {**CHAT, "temperature": 0.5})))
             threads[-1].start()
         assert wait_for(lambda: service.worker.depth == 2)
-        monkeypatch.setattr(worker_mod, "Sampler", broken_sampler)
+        monkeypatch.setattr(service.worker.metrics.queue_seconds, "observe", broken)
         engine.gate.set()
         for t in threads:
             t.join(30)
         assert answers["running"][0] == 200  # it ended before the worker died
         for name in ("queued1", "queued2"):
             status, reply = answers[name]
-            assert status == 503 and "sampler exploded" in reply["error"]["message"], answers
-        assert service.worker.failure.startswith("the generation worker failed: RuntimeError: sampler exploded")
+            assert status == 503 and "bookkeeping exploded" in reply["error"]["message"], answers
+        assert service.worker.failure.startswith("the generation worker failed: RuntimeError: bookkeeping exploded")
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("GET", "/health")
         resp = conn.getresponse()
         health = json.loads(resp.read())
         conn.close()
-        assert resp.status == 503 and health["status"] == "failed" and "sampler exploded" in health["error"]
+        assert resp.status == 503 and health["status"] == "failed" and "bookkeeping exploded" in health["error"]
         status, _, reply = post(port, "/v1/chat/completions", CHAT)  # new requests: 503 at once, no hang
         assert status == 503 and reply["error"]["message"].startswith("server unavailable: the generation worker failed")
         assert 'outcome="failed"} 3.0' in service.metrics.render().decode()

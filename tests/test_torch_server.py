@@ -66,7 +66,7 @@ class ScriptedEngine:
         self.free_steps = 0
         self.steps: list[int] = []  # tokens generated per generation
 
-    def generate_ids(self, prompt_ids, *, max_new_tokens, on_tokens, on_step, seed, response_format):
+    def generate_ids(self, prompt_ids, *, max_new_tokens, on_tokens, on_step, seed, response_format, sampling=None):
         out: list[int] = []
         self.steps.append(0)
         for i in range(max_new_tokens):
@@ -145,7 +145,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
     ({**CHAT, "seed": "x"}, "seed", "non-negative integer"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**CHAT, "max_token": 3}, "max_token", "unknown field"),
-    ({**CHAT, "n": 2}, "n", "only 1"),
+    ({**CHAT, "n": 17}, "n", "an integer in [1, 16]"),
+    ({**CHAT, "echo": True}, "echo", "only False"),
     ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": "/etc/passwd"}}},
      "response_format.json_schema.schema", "a JSON schema object"),

@@ -14,7 +14,7 @@ import torch
 import adaptivespec
 from adaptivespec.api import (
     DraftTree, Verifier, VerifyResult, accepted_path, emit, greedy_ids, greedy_matches, number_in, one_of,
-    optional_positive_int, residual_draw, sibling_accept,
+    optional_positive_int,
 )
 
 DEFAULT_KAPPA = 0.9
@@ -129,8 +129,9 @@ class MarginVerifier(Verifier):
         **accepted outright** (promoted) when ``p(c | u) >= kappa * max_y p(y | u)``
         (``additive``: ``max p - p(c | u) <= delta``; ``top_k``: ``c`` among the k most likely).
         Otherwise, or once the promotions are spent, the children go through the lossless tree
-        test of ``strict`` (accepted with their residual probability, in order); when all fail
-        the step ends with a draw from the residual, and at a leaf with a draw from ``p(. | u)``.
+        test of ``strict`` (a child is accepted when it is the target's keyed choice at ``u``);
+        when none is, the step ends with that choice (a draw from the residual), and at a leaf
+        likewise (a draw from ``p(. | u)``).
         Only tokens with ``p > 0`` are ever accepted, so top-k / top-p / min-p are never violated.
         ``VerifyResult.promoted`` counts the outright acceptances on the path. At temperature 0
         :meth:`verify` keeps the greedy rule exactly.
@@ -160,8 +161,9 @@ class MarginVerifier(Verifier):
         outright[0] = False
         has_outright = torch.zeros(n, dtype=torch.long, device=device).scatter_reduce(0, par, outright[1:].long(), "amax") > 0
 
-        # 2. the lossless test everywhere (used where no promotion applies)
-        lossless = sibling_accept(tree, probs, sampler.uniform(n))
+        # 2. the lossless test everywhere (used where no promotion applies): strict's keyed choices
+        choice = sampler.choose(probs, tree.depth)  # [n]
+        lossless = greedy_matches(tree, choice)
 
         # 3. promotions left at each node depend on its path: settle them level by level
         cap = math.inf if p.max_promotions is None else p.max_promotions
@@ -176,7 +178,7 @@ class MarginVerifier(Verifier):
         ok[0] = True
         last = accepted_path(tree, ok)
         n_promoted = (tree.ancestors[last].float() @ (use[parent] & outright).float()).long()
-        return emit(tree, last, residual_draw(tree, probs, last, sampler), n_promoted)
+        return emit(tree, last, choice[last], n_promoted)
 
 
 @adaptivespec.hookimpl

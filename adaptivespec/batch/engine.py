@@ -34,7 +34,6 @@ from adaptivespec.fusion import HEAD
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposal
 from adaptivespec.runtime import LevelMasks, TorchRuntime
-from adaptivespec.sampling import Sampler
 from adaptivespec.tree import subtree
 from adaptivespec.tree_sampling import greedy_ids
 from adaptivespec.types import DraftTree, StepRecord, TreeShape, VerifyResult
@@ -85,11 +84,14 @@ class Item:
     """Tokens it emitted this step."""
     context: int = 0
     """Its cached positions when the step began."""
+    record: StepRecord | None = None
+    """Its step's record, once committed."""
 
 
 @attrs.define(eq=False)
-class StepStats:
-    """The last step's numbers (the server's /metrics)."""
+class StepOutput:
+    """What one step did: what the server's worker, its /metrics, the row budget and the tests read
+    (:attr:`BatchEngine.last`)."""
 
     requests: int = 0
     decoders: int = 0
@@ -106,6 +108,17 @@ class StepStats:
     """The packed target forward."""
     commit_ms: float = 0.0
     """Verifiers, caches, the head's extension."""
+    records: tuple[StepRecord, ...] = ()
+    """Each decoding request's record of the step (what its ``on_step`` and the observers got)."""
+    verify_rows: int = 0
+    """Rows verified for the decoding requests: their trees' nodes and plain roots."""
+    undrafted: str | None = None
+    """``"load"`` when the row budget ran the whole step plain; None otherwise."""
+    finished: tuple[Request, ...] = ()
+    """Requests that ended in the step (stop, length, cancelled)."""
+
+
+StepStats = StepOutput  # (its name before it carried the step's records)
 
 
 class BatchEngine:
@@ -133,8 +146,6 @@ class BatchEngine:
         self.speculative = first.proposer.active
         # the target's hidden states the draft head reads (its three layers), kept by each forward
         self._head_states = [i + 1 for i in self.drafter.aux_layers] if self.drafter is not None else False
-        for lane in self.lanes:
-            lane.default_sampler = lane.engine.sampler  # the config's (None: greedy)
         bc = config.batch
         self.budget: RowBudget | None = None
         goodput = bc.row_budget == "goodput" and self.speculative
@@ -149,7 +160,7 @@ class BatchEngine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free: list[Lane] = list(self.lanes)
-        self.last = StepStats()
+        self.last = StepOutput()
         self._lock = threading.Lock()
         self.slab: KVSlab | None = None
         self._plain = False  # the step in flight drafts nothing (the row budget's choice)
@@ -272,6 +283,8 @@ class BatchEngine:
         return [self.result(r) for r in reqs]
 
     def result(self, r: Request) -> GenerationResult:
+        if r.result is not None:
+            return r.result
         text = self.tokenizer.decode(r.out, skip_special_tokens=True)
         return GenerationResult(token_ids=list(r.out), text=text, stats=r.stats(), records=r.records)
 
@@ -318,14 +331,17 @@ class BatchEngine:
                                   drafting=sum(it.proposal is not None for it in items),
                                   drafted_tokens=sum(it.emitted for it in items if it.proposal is not None),
                                   switch_ms=self._switch_ms)
-        self.last = StepStats(requests=len(self.running) + len(ended), decoders=len(items),
-                              draft_ms=draft_ms, budget_ms=(t_budget - t0) * 1e3 - draft_ms,
-                              verify_ms=(t_verify - t_budget) * 1e3, commit_ms=(t_end - t_verify) * 1e3,
-                              prefill_rows=sum(c.end - c.start for c in plan.chunks),
-                              rows=plan.rows + sum(it.tree.size - 1 for it in items),
-                              draft_rows=sum(it.tree.size - 1 for it in items),
-                              budget_rows=choice.rows if choice is not None else None,
-                              seconds=time.perf_counter() - t0)
+        self.last = StepOutput(requests=len(self.running) + len(ended), decoders=len(items),
+                               records=tuple(it.record for it in items if it.record is not None),
+                               verify_rows=sum(it.tree.size for it in items), finished=tuple(ended),
+                               undrafted="load" if self._plain else None,
+                               draft_ms=draft_ms, budget_ms=(t_budget - t0) * 1e3 - draft_ms,
+                               verify_ms=(t_verify - t_budget) * 1e3, commit_ms=(t_end - t_verify) * 1e3,
+                               prefill_rows=sum(c.end - c.start for c in plan.chunks),
+                               rows=plan.rows + sum(it.tree.size - 1 for it in items),
+                               draft_rows=sum(it.tree.size - 1 for it in items),
+                               budget_rows=choice.rows if choice is not None else None,
+                               seconds=time.perf_counter() - t0)
         return ended
 
     # -- joins and leaves ---------------------------------------------------------------------------
@@ -338,18 +354,8 @@ class BatchEngine:
         lane.step, lane.depth_cap = 0, 0
         lane.pending.clear()
         lane.kept_rows = None
-        sampler = lane.default_sampler
-        if r.sampling is not None:
-            s = r.sampling
-            sampler = None if s.temperature == 0 else Sampler(s.temperature, s.top_k, s.top_p, s.min_p, rt.device)
-        if sampler is not None:
-            sampler.reseed(self.config.generation.seed if r.seed is None else r.seed)
-        e.sampler = rt.sampler = e.verifier.sampler = sampler
-        e.policy.reset()
-        e.constraint = constraint = e.make_constraint(r.response_format)
-        rt.logits_processor = constraint.mask_next if constraint is not None else None
-        e.proposer.reset(r.prompt, constraint)
-        e._stops = e.eos_ids | r.stop_ids
+        e.begin(r.prompt, seed=r.seed, response_format=r.response_format, stop_ids=r.stop_ids, sampling=r.sampling,
+                logprobs=r.logprobs, on_logprobs=r.on_logprobs)
         if self.budget is not None:
             self.budget.joined(len(self.running) + 1)
         with self._bound(lane):
@@ -398,9 +404,11 @@ class BatchEngine:
         if r.lane is not None:
             e = r.lane.engine
             r.grammar_ended = e.constraint is not None and e.constraint.terminated
-            if self.speculative:
-                r.accepted_by_source = dict(e.proposer.accepted)
-            e.proposer.finish(r.out)
+            if reason == "error":
+                e.proposer.finish(r.out)
+            else:  # the engine's end of a generation: the proposers, the observer plugins (once)
+                r.result = e.finish(list(r.out), r.stats(), r.records)
+                r.accepted_by_source = r.result.stats.get("accepted_by_source", {})
             self.free.append(r.lane)
             r.lane = None
         return r
@@ -598,7 +606,7 @@ class BatchEngine:
             r.prefilled = c.end
             nxt = r.prompt[c.start + 1 : c.end + 1]
             if c.last:
-                rt.root = rt._pick(first_logits[k])
+                rt.root = rt.pick(first_logits[k], c.end)
                 k += 1
                 rt.P = c.end
                 nxt = nxt + [int(rt.root)]
@@ -618,16 +626,19 @@ class BatchEngine:
             s, t = it.rows
             tree = it.tree
             rows = logits[it.logit:it.logit + tree.size]
-            if it.proposal is None:  # a plain row: picked as Engine.ar_step picks (the same draws for a seed)
+            if it.proposal is None:  # a plain row: picked as Engine.ar_step picks (the same token for a seed)
                 tok = greedy.get(id(it))
-                result = VerifyResult(path=[0], tokens=[tok if tok is not None else int(rt._pick(rows[0]))])
+                if tok is None:
+                    tok = int(rt.pick(rows[0], rt.P + 1))
+                    e.last_rows = rt.last_rows
+                else:  # greedy, no processor: the row as the target gave it
+                    e.last_rows = rows[:1]
+                result = VerifyResult(path=[0], tokens=[tok])
             else:
-                if e.constraint is not None:
-                    e.constraint.mask_tree(tree, rows)
-                result = e.verifier.verify(tree, rows)
+                result = e.verify(tree, rows, rt.P + 1)
             n_before = len(r.out)
             it.context = rt.P
-            done = e._take(r.out, result.tokens, r.max_new_tokens, r.on_tokens)
+            done = e.take(r.out, result.tokens, r.max_new_tokens, r.on_tokens, e.last_rows)
             it.emitted = len(r.out) - n_before
             r.forwards += 1
             if not done:
@@ -639,12 +650,11 @@ class BatchEngine:
                 if ext is not None:
                     follow.append((lane, *ext))
                 rt.advance(result)
-            if it.proposal is not None:
-                self._observe(it, result, r.out[n_before:], draft_ms, verify_ms)
-            elif self.speculative:  # a plain step of a speculative config: the sources see the token
+            if it.proposal is None and self.speculative:  # a plain step of a speculative config: the sources see the token
                 e.proposer.extend(r.out[n_before:])
+            self._observe(it, result, r.out[n_before:], draft_ms, verify_ms)
             if done:
-                ended.append(self._finish(r, self._reason(r)))
+                ended.append(self._finish(r, e.finish_reason))
         for lane, _, states, positions in follow:  # the head's input states, for the prefix cache
             if lane.states is not None:
                 _keep(lane, states, positions)
@@ -655,10 +665,11 @@ class BatchEngine:
             r.first_token = time.perf_counter()
             r.forwards = 1
             e = r.lane.engine
-            done = e._take(r.out, [int(r.lane.engine.runtime.root)], r.max_new_tokens, r.on_tokens)
+            done = e.take(r.out, [int(r.lane.engine.runtime.root)], r.max_new_tokens, r.on_tokens,
+                          r.lane.engine.runtime.last_rows)
             e.proposer.extend(r.out)
             if done:
-                ended.append(self._finish(r, self._reason(r)))
+                ended.append(self._finish(r, e.finish_reason))
         if follow:
             # the head follows now where it is up to date; it catches up when it next drafts where a
             # plain step left rows behind (a prompt read in chunks over plain and drafting steps: its
@@ -722,34 +733,30 @@ class BatchEngine:
             rt.root_state, rt.root_logp = state, None
 
     def _observe(self, it: Item, result: VerifyResult, emitted: list[int], draft_ms: float, verify_ms: float) -> None:
+        """The request's step record, reported through its lane's engine (policy, ``on_step``, the
+        observer plugins), as the one-request loop reports its own."""
         r, lane = it.request, it.request.lane
         e = lane.engine
-        e.policy.observe_tree(it.tree, result)
-        accounted = result if it.keep is None else attrs.evolve(result, path=it.keep[result.path].tolist())
-        by_source = e.proposer.observe(it.proposal, accounted, emitted)
-        if self.budget is not None and it.estimates is not None:
-            keep = it.keep if it.keep is not None else torch.arange(it.tree.size)
-            self.budget.observe(it.estimates[0], it.estimates[1], keep, result.path)
-        record = StepRecord(step=lane.step, shape=it.shape, tree_size=it.tree.size, accepted=result.accepted,
-                            promoted=result.promoted, new_tokens=len(emitted), draft_ms=draft_ms, verify_ms=verify_ms,
-                            other_ms=0.0, signals=it.signals, policy_state=e.policy.state(),
-                            accepted_by_source=by_source)
-        e.policy.observe(record)
+        if it.proposal is not None:
+            path = None if it.keep is None else it.keep[result.path].tolist()
+            by_source = e.learn(it.proposal, it.tree, result, emitted, path)
+            if self.budget is not None and it.estimates is not None:
+                keep = it.keep if it.keep is not None else torch.arange(it.tree.size)
+                self.budget.observe(it.estimates[0], it.estimates[1], keep, result.path)
+            record = StepRecord(step=lane.step, shape=it.shape, tree_size=it.tree.size, accepted=result.accepted,
+                                promoted=result.promoted, new_tokens=len(emitted), draft_ms=draft_ms,
+                                verify_ms=verify_ms, other_ms=0.0, signals=it.signals, policy_state=e.policy.state(),
+                                accepted_by_source=by_source)
+        else:  # a plain row: the config's (autoregressive) or the row budget's choice (load)
+            record = StepRecord(step=lane.step, shape=None, tree_size=1, accepted=0, promoted=0,
+                                new_tokens=len(emitted), draft_ms=0.0, verify_ms=verify_ms, other_ms=0.0,
+                                undrafted="load" if self.speculative else "autoregressive")
         r.records.append(record)
+        it.record = record
         r.promoted += result.promoted
-        r.last_accepted = result.accepted
+        r.last_accepted = result.accepted if it.proposal is not None else r.last_accepted
         lane.step += 1
-        if r.on_step is not None:
-            r.on_step(record)
-
-    @staticmethod
-    def _reason(r: Request) -> str:
-        e = r.lane.engine
-        if e.constraint is not None and e.constraint.terminated:
-            return "stop"
-        if r.out and r.out[-1] in e._stops:
-            return "stop"
-        return "length"
+        e.report(record, r.on_step)
 
 
 def _keep(lane: Lane, states: torch.Tensor, positions: torch.Tensor) -> None:

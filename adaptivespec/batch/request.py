@@ -53,6 +53,10 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None
     """Called with each step's new ids (in the engine's thread)."""
     on_step: Callable[[StepRecord], None] | None = None
+    logprobs: int | None = None
+    """Keep each token's log-probability and this many top ones (None: none kept)."""
+    on_logprobs: Callable[[list], None] | None = None
+    """Called with each step's token log-probabilities before ``on_tokens`` (in the engine's thread)."""
     rid: int = attrs.field(factory=lambda: next(_IDS))
 
     status: Status = Status.WAITING
@@ -76,6 +80,8 @@ class Request:
     """Its response format's grammar reached its end."""
     accepted_by_source: dict[str, int] = attrs.Factory(dict)
     """Accepted tokens per proposer (speculative configs), as ``GenerationResult.stats``."""
+    result: Any = None
+    """Its :class:`~adaptivespec.decode.GenerationResult` once finished (not on an error)."""
     submitted: float = attrs.Factory(time.perf_counter)
     started: float | None = None
     first_token: float | None = None
@@ -124,8 +130,6 @@ class Lane:
     """Draft levels worth running next step (0: the policy's shape; see RowBudget)."""
     rows: int = 0
     """Verify rows beyond the root the row budget gave it at the last step."""
-    default_sampler: Any = None
-    """The config's sampler (None: greedy); a request with its own sampling gets its own."""
     pending: list = attrs.Factory(list)
     """Rows the draft head has yet to run: ``(tokens, states, positions)`` of steps that drafted
     nothing; run in one pass before the lane drafts again (:meth:`BatchEngine._catch_up`)."""

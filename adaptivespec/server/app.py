@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from adaptivespec.server.metrics import ServerMetrics
-from adaptivespec.server.output import Envelope, TextAssembler, finish_reason, speculation, usage
+from adaptivespec.server.output import Envelope, TextAssembler, finish_reason, logprobs_object, speculation, usage
 from adaptivespec.server.schema import (GenRequest, RequestError, parse_detokenize, parse_json, parse_request,
                                         parse_tokenize)
 from adaptivespec.server.worker import Finished, Job, QueueFull, Worker
@@ -290,23 +290,62 @@ async def complete(service: Service, request: Request, *, chat: bool) -> Respons
     seed = 0
     if req.sampling is not None:
         seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
-    job = Job(prompt_ids=ids, max_tokens=max_tokens, sampling=req.sampling, seed=seed,
-              response_format=req.response_format, stop_ids=req.stop_token_ids, loop=asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    # n choices: n generations of the prompt, choice i seeded seed + i (vLLM's children's seeds)
+    jobs = [Job(prompt_ids=ids, max_tokens=max_tokens, sampling=req.sampling, seed=(seed + i) % 2**63,
+                response_format=req.response_format, stop_ids=req.stop_token_ids, logprobs=req.logprobs, loop=loop)
+            for i in range(req.n)]
     try:
-        service.worker.submit(job)
+        for job in jobs:
+            service.worker.submit(job)
     except QueueFull as full:
+        for job in jobs:
+            job.cancel()
         service.metrics.outcome("rejected")
         q = service.worker.queue_size
         err = RequestError(None, f"server busy: {_running(service.worker)} and {q} more may wait (--queue-size {q}); "
                                  f"all are taken, retry after {full.retry_after} s", status=503)
         return error_response(err, {"Retry-After": str(full.retry_after)})
     envelope = Envelope(chat, req.model or service.model)
-    text = TextAssembler(service.engine.tokenizer, req.stop, incremental=req.stream)
+    texts = [TextAssembler(service.engine.tokenizer, req.stop, incremental=req.stream) for _ in jobs]
     if req.stream:
-        return StreamingResponse(_stream(service, job, text, envelope, len(ids), req.include_usage),
+        return StreamingResponse(_stream(service, jobs, texts, envelope, len(ids), req.include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _whole(service, request, job, text, envelope, len(ids))
+    return await _whole(service, request, jobs, texts, envelope, len(ids))
+
+
+class _Events:
+    """The events of a request's jobs (its ``n`` choices) as they come: ``(choice, kind, payload)``,
+    each job's in its order, until every job has ended."""
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
+        self.gets = {i: asyncio.ensure_future(job.events.get()) for i, job in enumerate(jobs)}
+
+    async def next(self, timeout: float | None = None) -> list[tuple[int, str, Any]]:
+        """The events ready within ``timeout`` seconds (an empty list: none came)."""
+        done, _ = await asyncio.wait(set(self.gets.values()), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        out = []
+        for i in sorted(i for i, f in self.gets.items() if f in done):
+            kind, payload = self.gets[i].result()
+            out.append((i, kind, payload))
+            if kind in ("tokens", "logprobs"):
+                self.gets[i] = asyncio.ensure_future(self.jobs[i].events.get())
+            else:
+                del self.gets[i]
+        return out
+
+    @property
+    def open(self) -> bool:
+        return bool(self.gets)
+
+    def close(self) -> None:
+        for job in self.jobs:
+            job.cancel()  # a no-op once the job ended
+        for f in self.gets.values():
+            f.cancel()
+        self.gets.clear()
 
 
 def _running(worker) -> str:
@@ -334,59 +373,110 @@ def _final(service: Service, done: Finished, text: TextAssembler, job: Job, n_pr
     return reason, service.stats_of(done, n_prompt, completion)
 
 
-async def _whole(service: Service, request: Request, job: Job, text: TextAssembler, envelope: Envelope,
+def _choice_logprobs(service: Service, done: Finished, text: TextAssembler, chat: bool) -> dict[str, Any] | None:
+    """A finished choice's ``logprobs`` (its tokens up to a stop string's), or None when not asked."""
+    if done.logprobs is None:
+        return None
+    n = text.stop_tokens if text.stopped else len(done.token_ids)
+    return logprobs_object(done.logprobs[:n], service.engine.tokenizer, chat)
+
+
+def _merge_extra(extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """One response's usage over its choices (OpenAI's: completion tokens of all of them; the
+    prompt once) and the first choice's speculation stats."""
+    first = dict(extras[0])
+    if len(extras) > 1:
+        u = dict(first["usage"])
+        u["completion_tokens"] = sum(e["usage"]["completion_tokens"] for e in extras)
+        u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+        first["usage"] = u
+    return first
+
+
+async def _whole(service: Service, request: Request, jobs: list[Job], texts: list[TextAssembler], envelope: Envelope,
                  n_prompt: int) -> Response:
-    get: asyncio.Future | None = None
+    events = _Events(jobs)
+    choices: dict[int, dict[str, Any]] = {}
+    extras: dict[int, dict[str, Any]] = {}
     try:
-        while True:
-            get = asyncio.ensure_future(job.events.get())
-            while not get.done():
-                await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-                if not get.done() and await request.is_disconnected():
+        while events.open:
+            ready = await events.next(DISCONNECT_POLL_S)
+            if not ready and await request.is_disconnected():
+                for job in jobs:
                     job.cancel()
-            kind, payload = get.result()
-            if kind == "tokens":
-                _tokens(job, text, payload)
-                continue
-            if kind == "error":
-                return error_response(_failed(service, payload))
-            if kind == "cancelled" and not text.stopped:  # the client is gone: nobody reads this
-                return error_response(RequestError(None, "request cancelled: the client disconnected", status=499))
-            text.finish(payload.token_ids)
-            reason, extra = _final(service, payload, text, job, n_prompt)
-            return JSONResponse(envelope.response(text.text, reason, extra))
+            for i, kind, payload in ready:
+                job, text = jobs[i], texts[i]
+                if kind == "tokens":
+                    _tokens(job, text, payload)
+                    continue
+                if kind == "logprobs":
+                    continue
+                if kind == "error":
+                    return error_response(_failed(service, payload))
+                if kind == "cancelled" and not text.stopped:  # the client is gone: nobody reads this
+                    return error_response(RequestError(None, "request cancelled: the client disconnected", status=499))
+                text.finish(payload.token_ids)
+                reason, extras[i] = _final(service, payload, text, job, n_prompt)
+                choices[i] = envelope.choice(text.text, reason, i, _choice_logprobs(service, payload, text, envelope.chat))
+        extra = _merge_extra([extras[i] for i in range(len(jobs))])
+        return JSONResponse(envelope.response("", "", extra, [choices[i] for i in range(len(jobs))]))
     finally:
-        job.cancel()  # a no-op once the job ended
-        if get is not None and not get.done():
-            get.cancel()
+        events.close()
 
 
-async def _stream(service: Service, job: Job, text: TextAssembler, envelope: Envelope, n_prompt: int,
+async def _stream(service: Service, jobs: list[Job], texts: list[TextAssembler], envelope: Envelope, n_prompt: int,
                   include_usage: bool = False) -> AsyncIterator[str]:
-    """The chunks; the usage and speculation on the finishing chunk, or with ``include_usage`` on one
-    more chunk of no choices after it (OpenAI's ``stream_options.include_usage``)."""
+    """The chunks (each choice's with its ``index``); the usage and speculation on the last finishing
+    chunk, or with ``include_usage`` on one more chunk of no choices after them all (OpenAI's
+    ``stream_options.include_usage``). With log-probabilities, a chunk carries those of the tokens
+    whose text it is the first to send (those of held-back text go with a later one)."""
+    events = _Events(jobs)
+    pending: dict[int, list] = {i: [] for i in range(len(jobs))}
+    offsets = [0] * len(jobs)
+    extras: dict[int, dict[str, Any]] = {}
+    chat = envelope.chat
+
+    def logprobs(i: int, upto: int | None = None):
+        if jobs[i].logprobs is None:
+            return None
+        take = pending[i] if upto is None else pending[i][:upto]
+        pending[i] = pending[i][len(take):]
+        obj = logprobs_object(take, service.engine.tokenizer, chat, offsets[i])
+        if not chat:
+            offsets[i] += sum(len(t) for t in obj["tokens"])
+        return obj
+
     try:
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "tokens":
-                delta = _tokens(job, text, payload)
-                if delta:
-                    yield _sse(envelope.chunk(delta))
-                continue
-            if kind == "error":
-                yield _sse(_failed(service, payload).body())
-                break
-            rest = text.finish(payload.token_ids)
-            if rest:
-                yield _sse(envelope.chunk(rest))
-            reason, extra = _final(service, payload, text, job, n_prompt)
-            yield _sse(envelope.chunk("", reason, None if include_usage else extra))
-            if include_usage:
-                yield _sse(envelope.usage_chunk(extra))
-            break
+        while events.open:
+            for i, kind, payload in await events.next():
+                job, text = jobs[i], texts[i]
+                if kind == "logprobs":
+                    pending[i].extend(payload)
+                    continue
+                if kind == "tokens":
+                    delta = _tokens(job, text, payload)
+                    if delta:
+                        yield _sse(envelope.chunk(delta, index=i, logprobs=logprobs(i)))
+                    continue
+                if kind == "error":
+                    yield _sse(_failed(service, payload).body())
+                    events.close()
+                    break
+                rest = text.finish(payload.token_ids)
+                sent = len(payload.token_ids) - len(pending[i])  # tokens whose log-probabilities went out
+                n = (text.stop_tokens if text.stopped else len(payload.token_ids)) - sent
+                if rest:
+                    yield _sse(envelope.chunk(rest, index=i, logprobs=logprobs(i, max(n, 0))))
+                    n = 0
+                reason, extras[i] = _final(service, payload, text, job, n_prompt)
+                last = not events.open
+                extra = _merge_extra([extras[k] for k in sorted(extras)]) if last and not include_usage else None
+                yield _sse(envelope.chunk("", reason, extra, index=i, logprobs=logprobs(i, max(n, 0)) if n > 0 else None))
+                if last and include_usage:
+                    yield _sse(envelope.usage_chunk(_merge_extra([extras[k] for k in sorted(extras)])))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancel()  # the client went away mid-stream (or the stream ended): stop at the next step
+        events.close()  # the client went away mid-stream (or the stream ended): stop at the next step
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -13,8 +13,7 @@ import math
 import time
 
 from adaptivespec.batch import BatchEngine, Request
-from adaptivespec.batch.request import Sampling as RequestSampling
-from adaptivespec.server.worker import Finished, Job, Outbox, QueueFull, Worker, log
+from adaptivespec.server.worker import GREEDY, Finished, Job, Outbox, QueueFull, Worker, log
 
 IDLE_TRIM_S = 1.0
 """With ``trim``, the heap is trimmed when the engine has been idle this long (not after every
@@ -118,9 +117,7 @@ class BatchWorker(Worker):
         """``job`` becomes a request of the engine (it joins a slot at a coming step)."""
         job.started = time.perf_counter()
         self.metrics.queue_seconds.observe(job.started - job.enqueued)  # to the hand-over; the wait for a slot follows
-        s = job.sampling
-        sampling = None if s is None else RequestSampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                                          min_p=s.min_p)
+        sampling = job.sampling if job.sampling is not None else GREEDY  # the request's, never the config's
 
         def on_tokens(ids: list[int], job: Job = job) -> None:
             if not job.tokens:
@@ -128,14 +125,18 @@ class BatchWorker(Worker):
             job.tokens.extend(ids)
             job.post("tokens", list(ids))
 
-        def on_step(record, job: Job = job) -> None:
+        def on_step(record, job: Job = job) -> None:  # (the speculation series: per forward, _observe_step)
             job.steps += 1
             job.promoted += record.promoted
-            self.metrics.observe_step(record)
+
+        def on_logprobs(entries: list, job: Job = job) -> None:
+            job.logprob_entries.extend(entries)
+            job.post("logprobs", list(entries))
 
         r = Request(prompt=list(job.prompt_ids), max_new_tokens=job.max_tokens, seed=job.seed, sampling=sampling,
                     response_format=job.response_format, stop_ids=frozenset(getattr(job, "stop_ids", None) or ()),
-                    on_tokens=on_tokens, on_step=on_step)
+                    on_tokens=on_tokens, on_step=on_step, logprobs=getattr(job, "logprobs", None),
+                    on_logprobs=on_logprobs)
         if job.cancelled.is_set():
             r.cancel()
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
@@ -156,7 +157,8 @@ class BatchWorker(Worker):
         self.metrics.cached_tokens.inc(r.cached)
         if r.forwards:
             self.metrics.request_accept_length.observe(len(r.out) / r.forwards)
-        finished = Finished(token_ids=list(r.out), stats=stats, grammar_ended=r.grammar_ended)
+        finished = Finished(token_ids=list(r.out), stats=stats, grammar_ended=r.grammar_ended,
+                            logprobs=list(job.logprob_entries) if r.logprobs is not None else None)
         if r.finish_reason == "cancelled" and not job.stopped:
             self.metrics.outcome("cancelled")
             job.post("cancelled", finished)
@@ -170,7 +172,8 @@ class BatchWorker(Worker):
     def _observe_step(self, engine: BatchEngine) -> None:
         s = engine.last
         if s.requests:
-            self.metrics.observe_batch(requests=s.requests, rows=s.rows, budget_rows=s.budget_rows)
+            self.metrics.observe_batch(requests=s.requests, rows=s.rows, budget_rows=s.budget_rows, records=s.records,
+                                       undrafted=s.undrafted, verify_rows=s.verify_rows)
 
     def _release(self) -> list[Job]:
         held = list(self._jobs.values())

@@ -37,9 +37,11 @@ name                                               type       what
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from adaptivespec.metrics import PREFIX, SpecMetrics
+from adaptivespec.metrics import PREFIX, UNDRAFTED_REASONS, SpecMetrics
 from adaptivespec.types import StepRecord
 
 OUTCOMES = ("completed", "cancelled", "rejected", "bad", "failed")
@@ -83,20 +85,37 @@ class ServerMetrics:
             self.requests.labels(outcome=outcome)
 
     def observe_step(self, record: StepRecord) -> None:
-        """One speculative step of the engine (called from the worker thread)."""
-        if record.tree_size <= 1 or record.shape is None:  # nothing drafted: the policy's (or the sources') choice
-            self.spec.observe_undrafted("policy", rows=1)
+        """One step of the one-request engine (a step is a target forward; called from the worker thread)."""
+        if record.undrafted == "autoregressive":  # a config that never drafts: no speculation series
+            return
+        if record.undrafted is not None or record.tree_size <= 1 or record.shape is None:
+            # nothing drafted: the policy's (or the sources') choice, or the load's
+            self.spec.observe_undrafted(record.undrafted or "policy", rows=1)
             return
         self.spec.observe_step(shape=record.shape, accepted_per_request=[record.accepted],
                                accepted_by_source=record.accepted_by_source, verify_width=record.tree_size)
 
-    def observe_batch(self, *, requests: int, rows: int, budget_rows: int | None) -> None:
-        """One step of the batch engine: its requests, its rows, the row budget's choice (None: no budget)."""
+    def observe_batch(self, *, requests: int, rows: int, budget_rows: int | None, records: Sequence[StepRecord] = (),
+                      undrafted: str | None = None, verify_rows: int = 0) -> None:
+        """One step of the batch engine, one packed forward: its requests, its rows, the row budget's
+        choice (None: no budget), and by SGLang's definitions per forward: the decoders' step
+        ``records`` (accepted tokens, shapes), the rows they verified (``verify_rows``, once), and
+        ``undrafted`` when the whole step drafted nothing (``"load"``: the row budget's choice)."""
         self.batch_size.set(requests)
         self.batch_requests.observe(requests)
         self.step_rows.observe(rows)
         if budget_rows is not None:
             self.budget_rows.observe(budget_rows)
+        for rec in records:
+            if rec.undrafted is None and rec.tree_size > 1 and rec.shape is not None:
+                self.spec.observe_request_step(shape=rec.shape, accepted=rec.accepted,
+                                               accepted_by_source=rec.accepted_by_source)
+            elif rec.undrafted is None:  # the policy drafted nothing for this request
+                self.spec.observe_undrafted("policy")
+        if undrafted in UNDRAFTED_REASONS:
+            self.spec.observe_undrafted(undrafted, rows=verify_rows or None)
+        elif verify_rows and any(rec.undrafted != "autoregressive" for rec in records):
+            self.spec.observe_rows(verify_rows)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome=outcome).inc()

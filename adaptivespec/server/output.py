@@ -93,6 +93,31 @@ def speculation(stats: dict[str, Any], *, lossless: bool, policy: str, verifier:
     return out
 
 
+def logprobs_object(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice (or of a stream chunk) from the engine's per-token entries
+    ``(id, log-probability, [(id, log-probability)] top ones)``. Chat: ``{content: [{token, logprob,
+    bytes, top_logprobs: [...]}], refusal}``; completions: ``{tokens, token_logprobs, top_logprobs,
+    text_offset}`` (``offset``: the text's length before the first of them). A token's text is its
+    own decoding (a part of a multi-byte character shows as U+FFFD; ``bytes`` are the text's UTF-8)."""
+    def text(i: int) -> str:
+        return tokenizer.decode([i], skip_special_tokens=False)
+
+    if chat:
+        def one(i: int, lp: float) -> dict[str, Any]:
+            t = text(i)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+        return {"content": [{**one(i, lp), "top_logprobs": [one(j, q) for j, q in top]} for i, lp, top in entries],
+                "refusal": None}
+    tokens = [text(i) for i, _, _ in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(j): q for j, q in top} for _, _, top in entries], "text_offset": offsets}
+
+
 class Envelope:
     """The fields every object of one response shares (id, created, model) and their builders."""
 
@@ -101,28 +126,35 @@ class Envelope:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.first = True
+        self._started: set[int] = set()  # choices whose first chunk went out (it carries the role)
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, text: str, reason: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def choice(self, text: str, reason: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice of a whole response."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
-            return {**self._base("chat.completion"), "choices": [choice], **extra}
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {**self._base("text_completion"), "choices": [choice], **extra}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                    "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
 
-    def chunk(self, text: str, reason: str | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def response(self, text: str, reason: str, extra: dict[str, Any], choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The whole response: one choice (``text``, ``reason``) or ``choices`` (:meth:`choice`)."""
+        choices = choices if choices is not None else [self.choice(text, reason)]
+        return {**self._base("chat.completion" if self.chat else "text_completion"), "choices": choices, **extra}
+
+    def chunk(self, text: str, reason: str | None = None, extra: dict[str, Any] | None = None, *, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"content": text} if text or reason is None else {}
-            if self.first:
+            if index not in self._started:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
             obj = "text_completion"
+        self._started.add(index)
         self.first = False
         return {**self._base(obj), "choices": [choice], **(extra or {})}
 

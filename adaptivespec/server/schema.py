@@ -6,7 +6,7 @@ got -5``). A field is one of four kinds:
 
 * **read** (:data:`CHAT_FIELDS`, :data:`COMPLETION_FIELDS`): checked and used;
 * **neutral only** (:data:`NEUTRAL`): OpenAI and vLLM fields that would change the output and have
-  no form here, accepted only at their neutral value or null (``n: 1``, ``logprobs: false``,
+  no form here, accepted only at their neutral value or null (``echo: false``, ``best_of: 1``,
   ``tools: []`` ...); any other value is a 400 naming the field, never silently ignored;
 * **ignored** (:data:`IGNORED`): fields that change nothing here (``store``, ``metadata``,
   ``service_tier`` ...), accepted and logged once per name per process;
@@ -43,8 +43,8 @@ MAX_DEPTH = 64
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 """Temperature is 0 (greedy) or in this range: below it logits / temperature overflow float32, far
 above it every distribution is flat (OpenAI's own limit is 2)."""
-NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-           "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "logit_bias": ({},),
+NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+           "echo": (False,), "best_of": (1,), "logit_bias": ({},),
            "parallel_tool_calls": (True, False), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
            "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "suffix": ("",),
            "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
@@ -55,7 +55,12 @@ IGNORED = ("store", "metadata", "service_tier", "safety_identifier", "prompt_cac
 """OpenAI fields that change nothing here (``prediction``: predicted outputs change the latency, never
 the text), accepted and logged once per name (refused with ``strict``)."""
 COMMON = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-          "stop_token_ids", "stream", "stream_options", "response_format", "regex", "ebnf", "user", *NEUTRAL)
+          "stop_token_ids", "stream", "stream_options", "response_format", "regex", "ebnf", "user", "n", "logprobs",
+          "top_logprobs", *NEUTRAL)
+MAX_LOGPROBS = 20
+"""The most top log-probabilities per token a request may ask for (OpenAI's chat limit; vLLM's default)."""
+MAX_N = 16
+"""The most choices one request may ask for (``n``)."""
 CHAT_FIELDS = ("messages", "chat_template_kwargs", *COMMON)
 COMPLETION_FIELDS = ("prompt", *COMMON)
 MESSAGE_NULLS = {"tool_calls": ([],), "function_call": (), "refusal": (), "audio": (), "annotations": ([],),
@@ -126,6 +131,11 @@ class GenRequest:
     model: str | None = None
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
     """Chat: extra variables for the chat template (Qwen3's ``enable_thinking`` ...)."""
+    logprobs: int | None = None
+    """Return each token's log-probability and this many top ones (chat: ``top_logprobs`` with
+    ``logprobs: true``; completions: ``logprobs``); None: none."""
+    n: int = 1
+    """Choices to generate for the prompt."""
 
 
 def _show(value: Any) -> str:
@@ -379,7 +389,37 @@ def parse_request(body: dict[str, Any], *, chat: bool, defaults, vocab_size: int
         sampling=_sampling(body, defaults), stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids"), vocab_size), stream=stream,
         include_usage=_include_usage(body.get("stream_options")), response_format=_response_format(body),
-        model=body.get("model"), chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {})
+        model=body.get("model"), chat_template_kwargs=template_kwargs(body.get("chat_template_kwargs")) if chat else {},
+        logprobs=_logprobs(body, chat), n=_n(body))
+
+
+def _n(body: dict) -> int:
+    expected = f"an integer in [1, {MAX_N}]"
+    n = _int(body, "n", 1, expected)
+    if n is not None and n > MAX_N:
+        raise _bad("n", expected, n)
+    return n or 1
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Top log-probabilities per token asked for, or None. Chat: ``logprobs`` (bool) and
+    ``top_logprobs`` (0-20, with ``logprobs: true`` only); completions: ``logprobs`` (0-20)."""
+    expected = f"an integer in [0, {MAX_LOGPROBS}]"
+    top = _int(body, "top_logprobs", 0, expected)
+    if top is not None and top > MAX_LOGPROBS:
+        raise _bad("top_logprobs", expected, top)
+    if not chat:
+        _neutral("top_logprobs", top, (0,))  # the chat field; completions name the count logprobs
+        k = _int(body, "logprobs", 0, expected)
+        if k is not None and k > MAX_LOGPROBS:
+            raise _bad("logprobs", expected, k)
+        return k
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise _bad("logprobs", "true or false", on)
+    if top and not on:
+        raise RequestError("top_logprobs", f"top_logprobs: expected logprobs: true beside it, got logprobs: {_show(on)}")
+    return (top or 0) if on else None
 
 
 def _include_usage(options: Any) -> bool:

@@ -40,9 +40,11 @@ from typing import Any, Callable
 
 import attrs
 
-from adaptivespec.sampling import Sampler
 from adaptivespec.server.metrics import ServerMetrics
 from adaptivespec.server.schema import Sampling
+
+GREEDY = Sampling(temperature=0.0)
+"""A request's settings at temperature 0 (the server's greedy requests; a config's sampling is never used)."""
 
 log = logging.getLogger("adaptivespec.server")
 
@@ -95,6 +97,8 @@ class Finished:
     """``GenerationResult.stats`` (partial for a cancelled job) plus ``queue_seconds``."""
     grammar_ended: bool = False
     """The response format's grammar reached its end (a ``stop``, not a ``length``, finish)."""
+    logprobs: list | None = None
+    """Per token ``(id, log-probability, [(id, log-probability)] top ones)`` when the request asked."""
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -108,6 +112,8 @@ class Job:
     response_format: Any = None
     stop_ids: tuple[int, ...] = ()
     """Token ids that end this generation besides the model's EOS ids (the request's ``stop_token_ids``)."""
+    logprobs: int | None = None
+    """Return each token's log-probability and this many top ones (None: none)."""
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     cancelled: threading.Event = attrs.Factory(threading.Event)
@@ -117,6 +123,7 @@ class Job:
     started: float | None = None
     # running totals, kept by the worker (a cancelled job's stats come from them)
     tokens: list[int] = attrs.Factory(list)
+    logprob_entries: list = attrs.Factory(list)
     steps: int = 0
     promoted: int = 0
 
@@ -312,9 +319,7 @@ class Worker:
             job.post("cancelled", self._partial(job, waited))
             return
         engine = self.engine
-        s = job.sampling
-        sampler = None if s is None else Sampler(s.temperature, s.top_k, s.top_p, s.min_p, engine.runtime.device, job.seed)
-        engine.sampler = engine.runtime.sampler = engine.verifier.sampler = sampler
+        sampling = job.sampling if job.sampling is not None else GREEDY  # the request's, never the config's
 
         def on_tokens(ids: list[int]) -> None:
             if not job.tokens:
@@ -329,11 +334,18 @@ class Worker:
             job.promoted += record.promoted
             self.metrics.observe_step(record)
 
+        def on_logprobs(entries: list) -> None:
+            job.logprob_entries.extend(entries)
+            job.post("logprobs", list(entries))
+
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        extra = {"stop_ids": job.stop_ids} if job.stop_ids else {}  # only when set: engines without them work
+        if job.logprobs is not None:
+            extra.update(logprobs=job.logprobs, on_logprobs=on_logprobs)
         try:
             result = engine.generate_ids(job.prompt_ids, max_new_tokens=job.max_tokens, on_tokens=on_tokens,
                                          on_step=on_step, seed=job.seed, response_format=job.response_format,
-                                         **({"stop_ids": job.stop_ids} if job.stop_ids else {}))  # only when set: engines without it work
+                                         sampling=sampling, **extra)
         except Cancelled:
             self.metrics.generated_tokens.inc(len(job.tokens))
             partial = self._partial(job, waited)
@@ -356,7 +368,7 @@ class Worker:
         self.metrics.outcome("completed")
         ended = engine.constraint is not None and engine.constraint.terminated
         job.post("done", Finished(token_ids=result.token_ids, stats={**result.stats, "queue_seconds": waited},
-                                  grammar_ended=ended))
+                                  grammar_ended=ended, logprobs=result.logprobs))
 
     def _partial(self, job: Job, waited: float) -> Finished:
         wall = time.perf_counter() - job.started
@@ -364,4 +376,5 @@ class Worker:
         stats = {"new_tokens": len(job.tokens), "target_forwards": forwards,
                  "accept_length_mean": len(job.tokens) / forwards if forwards else 0.0, "wall_seconds": wall,
                  "promoted_tokens": job.promoted, "queue_seconds": waited}
-        return Finished(token_ids=list(job.tokens), stats=stats)
+        return Finished(token_ids=list(job.tokens), stats=stats,
+                        logprobs=list(job.logprob_entries) if job.logprobs is not None else None)
