@@ -292,3 +292,45 @@ def test_bad_logprobs_and_n_are_one_line_400s(extra, words):
     with pytest.raises(RequestError) as err:
         parse_request(body, chat=True, defaults=GenerationConfig(), vocab_size=100)
     assert words in err.value.message and "\n" not in err.value.message
+
+
+@pytest.mark.model
+def test_speculation_metrics_count_forwards_and_the_load_chosen_plain_steps(served_batch):
+    """Four requests at once, the row budget made to alternate plain and drafting steps: every plain
+    step counts once as ``undrafted{reason="load"}``, every forward with decoders once in
+    ``verify_rows_per_step`` (not once per request), every request's drafted step in
+    ``accepted_tokens_per_step``."""
+    import urllib.request
+
+    from adaptivespec.metrics import parse_metrics
+
+    port, engine = served_batch
+    budget = engine.budget
+    calls = []
+
+    def speculate(*args, **kwargs):
+        budget.mode = len(calls) % 2 == 1
+        calls.append(budget.mode)
+        return budget.mode
+
+    def read() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+            return parse_metrics(r.read().decode())
+
+    before = read()
+    budget.speculate = speculate
+    try:
+        body = lambda p: {"messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}  # noqa: E731
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: post(port, "/v1/chat/completions", body(p)), PROMPTS[:4]))
+    finally:
+        del budget.speculate
+    assert all(a[0] == 200 for a in answers)
+    after = read()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert delta['adaptivespec_undrafted_steps_total{reason="load"}'] == calls.count(False) > 0
+    assert delta["adaptivespec_verify_rows_per_step_count"] == len(calls)
+    drafted_steps = sum(v for k, v in delta.items() if k.startswith("adaptivespec_steps_total{"))
+    policy = delta['adaptivespec_undrafted_steps_total{reason="policy"}']
+    assert drafted_steps + policy >= calls.count(True)  # each drafting step: one per request that drafted
+    assert delta["adaptivespec_accepted_tokens_per_step_count"] == drafted_steps
