@@ -102,22 +102,18 @@ def test_prompt_rows_may_be_a_function_of_the_step():
 
 
 def test_chunk_rows_keep_the_step_within_the_stall_factor():
-    """BatchEngine._chunk_rows (batch.prefill_rows 0) on a hand-made table: verify(r) = 9 + r ms at no
+    """prompt_chunk_rows (batch.prefill_rows 0) on a hand-made table: verify(r) = 9 + r ms at no
     context, twice the slope's worth more at 1000 keys (10 + r - 1 more). Three roots cost 12 ms:
     within 3x (36 ms), 24 prompt rows at no context (12 + 24 = 36), 8 when the chunk reads 1000 keys
     (8 rows: 20 * (1 + 8/11) = 34.5; 16 rows: 28 * (1 + 16/19) = 51.6 > 36); three prompts being
     read: within 1 + 2 * 3 = 7x (84 ms), 72 rows (12 + 72 = 84)."""
-    from types import SimpleNamespace
-
-    from adaptivespec.batch.engine import PREFILL_ROWS_UNMEASURED, BatchEngine
+    from adaptivespec.batch.budget import PREFILL_ROWS_UNMEASURED, prompt_chunk_rows
 
     costs = CostTable(rows=(1, 101), verify_short=(10.0, 110.0), verify_long=(20.0, 220.0), contexts=(0, 1000),
                       per_request=0.0, draft_rows=(), draft=())
 
     def rows(base, past=0, stall=3.0, max_rows=512, table=costs, prompts=1):
-        stub = SimpleNamespace(costs=table, config=SimpleNamespace(batch=SimpleNamespace(prefill_stall=stall,
-                                                                                       max_rows=max_rows)))
-        return BatchEngine._chunk_rows(stub, base, past, prompts)
+        return prompt_chunk_rows(table, max_rows, stall, base, past, prompts)
 
     assert rows(3) == 24
     assert rows(3, prompts=3) == 72  # each further prompt being read may stall the step by as much again

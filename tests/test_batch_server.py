@@ -51,10 +51,7 @@ class ScriptedBatchEngine(ScriptedEngine):
     def __init__(self, slots: int = 2, *, budget_rows: int | None = None) -> None:
         super().__init__()
         self.lanes = [types.SimpleNamespace(index=i) for i in range(slots)]
-        self.free = list(self.lanes)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.scheduler = Scheduler(slots, prefill_rows=64, prefill_chunk=0, max_rows=512)
+        self.scheduler = Scheduler(self.lanes, prefill_rows=64, prefill_chunk=0, max_rows=512)  # the real one
         self.last = StepStats()
         self.budget_rows = budget_rows
         self.joins: list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]] = []
@@ -63,7 +60,6 @@ class ScriptedBatchEngine(ScriptedEngine):
         self.most_running = 0
         self.explode: Exception | None = None  # the next step raises it (after its joins)
         self.refuse: Exception | None = None  # submit raises it: a bug outside any step
-        self._lock = threading.Lock()
         self._gate = threading.Condition()
         self._allowed = math.inf
         self.held = 0  # steps waiting at the gate now
@@ -90,31 +86,31 @@ class ScriptedBatchEngine(ScriptedEngine):
             self.held -= 1
             self._allowed -= 1
 
-    # the engine
+    # the engine: the real scheduler's queues and plan; steps scripted
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self):
+        return self.scheduler.running
+
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting)
+        return self.scheduler.busy
 
     def submit(self, r: Request) -> Request:
         if self.refuse is not None:
             raise self.refuse
-        with self._lock:
-            self.waiting.append(r)
-        return r
+        return self.scheduler.submit(r)
+
+    def _admit(self, r: Request, lane) -> None:
+        r.lane, r.status, r.started = lane, Status.DECODE, time.perf_counter()
+        self.joins.append((tuple(r.prompt), tuple(tuple(o.prompt) for o in self.running if o is not r)))
 
     def step(self) -> list[Request]:
-        with self._lock:
-            plan = self.scheduler.plan(self.running, list(self.waiting))
-            for r in plan.joins:
-                self.waiting.remove(r)
-            for r in plan.leaves:
-                if r in self.waiting:
-                    self.waiting.remove(r)
-        ended = [self._finish(r, "cancelled") for r in plan.leaves]
-        for r in plan.joins:
-            r.lane, r.status, r.started = self.free.pop(0), Status.DECODE, time.perf_counter()
-            self.joins.append((tuple(r.prompt), tuple(tuple(o.prompt) for o in self.running)))
-            self.running.append(r)
+        ended: list[Request] = []
+        self.scheduler.schedule(admit=self._admit, leave=lambda r: ended.append(self._finish(r, "cancelled")))
         if not self.running:
             return ended
         self.most_running = max(self.most_running, len(self.running))
@@ -144,11 +140,8 @@ class ScriptedBatchEngine(ScriptedEngine):
 
     def _finish(self, r: Request, reason: str) -> Request:
         r.status, r.finish_reason, r.finished = Status.DONE, reason, time.perf_counter()
-        if r in self.running:
-            self.running.remove(r)
-        if r.lane is not None:
-            self.free.append(r.lane)
-            r.lane = None
+        self.scheduler.release(r)
+        r.lane = None
         return r
 
 
@@ -356,7 +349,7 @@ def test_a_cancelled_waiting_job_never_runs():
         kinds = [loop.run_until_complete(asyncio.wait_for(drain(j), GATE_S)) for j in (running, in_engine, in_queue)]
         assert kinds == ["done", "cancelled", "cancelled"]
         assert [p for p, _ in engine.joins] == [(0,)] and dict(engine.ran) == {(0,): 4}
-        assert not engine.busy and engine.free == engine.lanes
+        assert not engine.busy and sorted(lane.index for lane in engine.scheduler.free) == [lane.index for lane in engine.lanes]
         render = metrics.render().decode()
         assert 'outcome="cancelled"} 2.0' in render and 'outcome="completed"} 1.0' in render
         assert "adaptivespec_server_queue_depth 0.0" in render

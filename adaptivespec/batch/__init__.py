@@ -8,19 +8,22 @@ those rows run through the target in **one** packed forward. Requests join and l
 Who does what, in the order of a step (:meth:`BatchEngine.step <adaptivespec.batch.engine.BatchEngine.step>`)::
 
     Request (request.py)        one state object per request: status, tokens, prefill progress,
-         │                      its lane (caches + strategies); nothing else holds per-request truth
+         │                      its lane (an Engine of the config: caches + strategies)
          ▼
-    Scheduler.plan (scheduler.py)  decides only: who joins a free lane, who leaves, which prompt
-         │                         chunks run (their rows sized by the cost table), who decodes
+    Scheduler.schedule (scheduler.py)  owns waiting, running and the free lanes: takes the cancelled
+         │                         out, admits waiting requests (the prefix cache's match), sizes the
+         │                         prompt chunks (by the cost table): one plan per step
          ▼  StepPlan (frozen)
     BatchEngine.step (engine.py)   runs the plan:
-        1. propose  each decoder's sources and policy, then every head tree drafted together
-                    (one draft-head pass per depth level for all requests)
+        1. propose  each decoder's sources and policy; every head tree drafted together
+                    (head.py: one draft-head pass per depth level for all requests)
         2. budget   RowBudget (budget.py): every candidate node of every request in one ranking,
                     the prefix that maximises expected tokens per millisecond is verified
-        3. verify   one packed target forward (fastpath/batched.py): prompt chunks, trees, plain rows
-        4. commit   per request: its verifier, its caches, its tokens, stop checks; the draft head
-                    extended for every request in one pass (fresh even when it verified nothing)
+        3. verify   one packed target forward (runner.py, fastpath/batched.py): prompt chunks,
+                    trees, plain rows
+        4. commit   per request through its lane's Engine (verify, take, learn, report, finish);
+                    the draft head extended for every request in one pass (head.py)
+         ▼  StepOutput (step.py)  what the server, /metrics, the budget and the tests read
 """
 
 from adaptivespec.batch.budget import CostTable, RowBudget

@@ -1,4 +1,10 @@
-"""The scheduler decides one step; it never touches a cache or a tensor.
+"""The scheduler owns the requests and decides each step; it never touches a cache or a tensor.
+
+It holds the queues (vLLM V1's seam): ``waiting`` (FIFO, filled from any thread by :meth:`submit`),
+``running`` (holding a lane, arrival order) and the free lanes. :meth:`Scheduler.schedule` takes the
+cancelled out, admits waiting requests into free lanes (the engine's ``admit`` starts their
+strategies and caches; its ``match`` loads what the prefix cache keeps of their prompts), then sizes
+the step: one frozen :class:`StepPlan` per step, which the engine runs.
 
 Budgets are plain counters (vLLM V1's): the step's rows go first to the decoding requests' root
 rows, then to prompt chunks in arrival order. While others decode, prompt rows are capped per
@@ -12,7 +18,9 @@ after drafting.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import collections
+import threading
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -57,16 +65,72 @@ class StepPlan:
 
 
 class Scheduler:
-    """Joins, leaves and prompt chunks of each step (see the module's text)."""
+    """The requests' queues, and joins, leaves and prompt chunks of each step (see the module's text)."""
 
-    def __init__(self, slots: int, *, prefill_rows: int | Callable[[int, int, int], int], prefill_chunk: int,
-                 max_rows: int) -> None:
-        """``prefill_rows``: prompt rows per step while others decode, or a function of the rows the
+    def __init__(self, slots: int | Sequence[Any], *, prefill_rows: int | Callable[[int, int, int], int],
+                 prefill_chunk: int, max_rows: int) -> None:
+        """``slots``: the lanes requests decode in (or how many, for :meth:`plan` alone);
+        ``prefill_rows``: prompt rows per step while others decode, or a function of the rows the
         step runs without them (the decoders' roots), the first waiting prompt's tokens already
         read and the number of requests reading prompts that says how many."""
-        self.slots, self.max_rows = slots, max_rows
+        lanes = list(range(slots)) if isinstance(slots, int) else list(slots)
+        self.slots, self.max_rows = len(lanes), max_rows
         self.prefill_rows = prefill_rows if callable(prefill_rows) else (lambda base, past, prompts, rows=prefill_rows: rows)
         self.prefill_chunk = prefill_chunk or max_rows
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free: list[Any] = lanes
+        self._lock = threading.Lock()
+
+    # -- the queues -------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (any thread); it joins a free lane at a coming step."""
+        with self._lock:
+            self.waiting.append(request)
+        return request
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self, *, admit: Callable[[Request, Any], None], leave: Callable[[Request], None],
+                 match: Callable[[Request], int] | None = None) -> StepPlan:
+        """The next step, one plan: cancelled requests go (``leave``: the engine ends them, which
+        frees their lanes through :meth:`release`); waiting ones take free lanes, the lowest first
+        (``admit(request, lane)``: the engine starts them there); requests that hold a lane and have
+        read nothing of their prompt yet take what the prefix cache keeps of it (``match``: the
+        prompt tokens loaded, asked at every step until their first chunk runs); then the step's
+        prompt chunks and decoders (:meth:`plan`)."""
+        with self._lock:
+            leaves = [r for r in (*self.running, *self.waiting) if r.cancelled]
+            for r in leaves:
+                if r in self.waiting:
+                    self.waiting.remove(r)
+        for r in leaves:
+            leave(r)
+        with self._lock:  # (one cancelled meanwhile leaves at the next step)
+            joins = [self.waiting.popleft() for _ in range(min(len(self.waiting), len(self.free)))]
+        for r in joins:
+            lane = min(self.free, key=lambda lane: getattr(lane, "index", lane))  # the lowest slot: the slab's range stays short
+            self.free.remove(lane)
+            self.running.append(r)
+            admit(r, lane)
+        if match is not None:
+            for r in self.running:
+                if r.status is Status.PREFILL and not r.prefilled:
+                    r.prefilled = r.cached = match(r)
+        plan = self.plan([r for r in self.running if not r.cancelled], ())
+        return attrs.evolve(plan, leaves=tuple(leaves), joins=tuple(joins))
+
+    def release(self, r: Request) -> None:
+        """``r`` ended: out of the queues, its lane free again."""
+        with self._lock:
+            if r in self.running:
+                self.running.remove(r)
+            elif r in self.waiting:
+                self.waiting.remove(r)
+        if r.lane is not None:
+            self.free.append(r.lane)
 
     def plan(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
         """The next step for ``running`` (holding lanes, arrival order) and ``waiting`` (FIFO)."""

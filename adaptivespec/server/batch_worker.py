@@ -49,7 +49,7 @@ class BatchWorker(Worker):
         if self.engine is None:
             return len(self._waiting)
         pending = len(self._waiting) + len(self.engine.waiting)
-        return max(0, pending - len(self.engine.free))
+        return max(0, pending - len(self.engine.scheduler.free))
 
     @property
     def depth(self) -> int:
