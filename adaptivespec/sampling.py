@@ -150,8 +150,8 @@ class Sampler:
     # -- the distribution ------------------------------------------------------------------------
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] float32 sampling distribution of the target from its logits."""
-        if self.greedy:  # the limit of temperature -> 0: all mass on the (first) argmax
-            return torch.nn.functional.one_hot(greedy_ids(logits), logits.shape[-1]).float()
+        if self.greedy:  # the limit of temperature -> 0: all mass on the (first) argmax, as greedy_ids picks it
+            return torch.nn.functional.one_hot(logits.max(-1).indices, logits.shape[-1]).float()
         return warp(logits, self.temperature, self.top_k, self.top_p, self.min_p).softmax(-1)
 
     # -- draws -------------------------------------------------------------------------------------
@@ -184,18 +184,16 @@ class Sampler:
     def next_token(self, logits: torch.Tensor) -> torch.Tensor:
         """0-dim token from one row of logits [V]: the argmax when greedy, else the keyed choice
         (:meth:`choose`) at :meth:`at`'s position."""
-        if self.greedy:
-            return greedy_ids(logits)
-        return self.choose(self.probs(logits.unsqueeze(0)), torch.zeros(1, dtype=torch.long, device=logits.device))[0]
+        return pick_next(self, logits, self.position)
 
 
 def pick_next(sampler: Sampler | None, logits: torch.Tensor, position: int | None = None) -> torch.Tensor:
     """The runtime's next token from logits [V], the token of sequence position ``position``:
-    greedy without a sampler."""
-    if sampler is None:
+    the argmax without a sampler (or a greedy one), else the sampler's keyed choice there."""
+    if sampler is None or sampler.greedy:
         return greedy_ids(logits)
     sampler.at(position)
-    return sampler.next_token(logits)
+    return sampler.choose(sampler.probs(logits.unsqueeze(0)), torch.zeros(1, dtype=torch.long, device=logits.device))[0]
 
 
 def root_stats(lp: torch.Tensor) -> list[float]:

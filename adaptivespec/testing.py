@@ -14,8 +14,10 @@ Installed with adaptivespec, so every pytest run has these fixtures without an i
   ``generate`` (slow: loads the model once per session; mark such tests ``@pytest.mark.model``).
 
 and plain helpers to import: :func:`registered` (the registry entry of a plugin's strategy),
-:func:`tree_with_logits` (the factory behind the fixture) and :func:`draft_with_fake_drafter`
-(run :func:`~adaptivespec.tree.draft_tree` with a policy's level rules and a seeded fake drafter).
+:func:`tree_with_logits` (the factory behind the fixture), :func:`draft_with_fake_drafter`
+(run :func:`~adaptivespec.tree.draft_tree` with a policy's level rules and a seeded fake drafter)
+and :func:`install_plugin` (a plugin module installed as a distribution with its entry point, into
+a folder for ``sys.path`` or ``PYTHONPATH``: what adaptivespec finds is what ``pip install`` gives).
 
 This module is imported by every pytest run in an environment where adaptivespec is installed:
 it imports torch and adaptivespec's light modules only; models load inside the fixtures.
@@ -24,6 +26,7 @@ it imports torch and adaptivespec's light modules only; models load inside the f
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import attrs
@@ -53,6 +56,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # -- registry --------------------------------------------------------------------------------------
 _HOST = None
+
+
+def install_plugin(site: Path, distribution: str, module: str, source: str, entry: str | None = None) -> Path:
+    """``source`` as module ``module`` of a distribution ``distribution`` (version 1.0) with the
+    entry point ``entry = module`` (default: the distribution's name less ``adaptivespec-``) in
+    adaptivespec's group, installed into ``site``: put ``site`` on ``sys.path`` (or ``PYTHONPATH`` for
+    a subprocess) and the plugin loads as an installed one does. Returns ``site``."""
+    entry = entry or distribution.removeprefix("adaptivespec-")
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{distribution.replace('-', '_')}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[adaptivespec]\n{entry} = {module}\n")
+    (info / "RECORD").write_text("")
+    return site
 
 
 def registered(kind: str, name: str):

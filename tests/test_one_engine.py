@@ -14,6 +14,7 @@ from test_torch_server import post, uvicorn_on_loopback
 
 from adaptivespec.config import load_config
 from adaptivespec.plugins import make_plugin_host
+from adaptivespec.testing import install_plugin
 from shared_prompts import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +41,7 @@ def adaptivespec_generation_done(result):
 def observer(tmp_path_factory):
     """The plugin as an installed distribution (module + dist-info + entry point) on ``sys.path``, and
     a plugin host that loaded it from its entry point; yields (host, module)."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "stepwatch_plugin.py").write_text(OBSERVER)
-    info = site / "adaptivespec_stepwatch-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: adaptivespec-stepwatch\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[adaptivespec]\nstepwatch = stepwatch_plugin\n")
-    (info / "RECORD").write_text("")
+    site = install_plugin(tmp_path_factory.mktemp("site"), "adaptivespec-stepwatch", "stepwatch_plugin", OBSERVER)
     sys.path.insert(0, str(site))
     try:
         host = make_plugin_host()
@@ -334,3 +329,20 @@ def test_speculation_metrics_count_forwards_and_the_load_chosen_plain_steps(serv
     policy = delta['adaptivespec_undrafted_steps_total{reason="policy"}']
     assert drafted_steps + policy >= calls.count(True)  # each drafting step: one per request that drafted
     assert delta["adaptivespec_accepted_tokens_per_step_count"] == drafted_steps
+
+
+@pytest.mark.model
+def test_n_choices_read_their_prompt_once():
+    """The same prompt three times at once (``n`` choices): the first reads it, the others wait that
+    step out and take all of it but its last token from the prefix cache; the answers are the same."""
+    from adaptivespec.batch import BatchEngine, Request
+
+    config = load_config(ROOT / "configs" / "batched-hybrid.yaml", ["runtime.dtype=float32"])
+    be = BatchEngine(config, 4, log=lambda _: None)
+    prompt = be.encode(PROMPTS[3])
+    reqs = [be.submit(Request(prompt=prompt, max_new_tokens=8)) for _ in range(3)]
+    other = be.submit(Request(prompt=be.encode(PROMPTS[1]), max_new_tokens=8))
+    while be.busy:
+        be.step()
+    assert [r.cached for r in reqs] == [0, len(prompt) - 1, len(prompt) - 1] and other.cached == 0
+    assert reqs[0].out == reqs[1].out == reqs[2].out

@@ -15,6 +15,7 @@ from adaptivespec import plugins
 from adaptivespec.config import load_config
 from adaptivespec.errors import AdaptiveSpecError, ConfigError
 from adaptivespec.plugins import make_plugin_host
+from adaptivespec.testing import install_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,14 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory) -> Path:
     """A distribution 'adaptivespec-broken' whose entry point 'broken' raises on import."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "broken_plugin.py").write_text("raise RuntimeError('boom at import')\n")
-    info = site / "adaptivespec_broken-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: adaptivespec-broken\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[adaptivespec]\nbroken = broken_plugin\n")
-    (info / "RECORD").write_text("")
-    return site
+    return install_plugin(tmp_path_factory.mktemp("site"), "adaptivespec-broken", "broken_plugin",
+                          "raise RuntimeError('boom at import')\n")
 
 
 def cli(site: Path, *argv: str) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ import adaptivespec
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.plugins import BUILTIN_PLUGINS, make_plugin_host
 from adaptivespec.strategies import TreePolicy
+from adaptivespec.testing import install_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +46,8 @@ def adaptivespec_register_policies(registry):
 @pytest.fixture(scope="module")
 def installed_plugin(tmp_path_factory) -> Path:
     """A distribution installed into a site folder: module + dist-info with an entry point."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "shortchain_plugin.py").write_text(PLUGIN_SOURCE)
-    info = site / "adaptivespec_shortchain-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: adaptivespec-shortchain\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[adaptivespec]\nshort-chain = shortchain_plugin\n")
-    (info / "RECORD").write_text("")
-    return site
+    return install_plugin(tmp_path_factory.mktemp("site"), "adaptivespec-shortchain", "shortchain_plugin", PLUGIN_SOURCE,
+                          entry="short-chain")
 
 
 def cli(site: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -40,8 +40,9 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("adaptivespec.config", "adaptivespec.constraints", "adaptivespec.fusion", "adaptivespec.proposal",
       "adaptivespec.models", "adaptivespec.paths", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
       "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
-    ("batch", "continuous batching: request states, the scheduler's step plans, the executor over ragged rows, "
-              "the row budget, the prefix cache", ("adaptivespec.batch",)),
+    ("batch", "continuous batching: request states, the scheduler (queues, admission, step plans), the draft heads "
+              "across lanes, the model runner over ragged rows, the row budget, the prefix cache; each request's step "
+              "through its lane's `Engine`", ("adaptivespec.batch",)),
     ("interfaces", "the command line, the generated reference, the pytest kit for plugin authors",
      ("adaptivespec.cli", "adaptivespec.reference", "adaptivespec.testing")),
     ("serving", "the two engines, which never import each other: SGLang (plugin, command, loopback servers), "

@@ -86,6 +86,7 @@ class BatchEngine:
         if bc.prefix_cache_mb:
             self.prefix = PrefixCache(self.target.config, bc.prefix_cache_mb, first.runtime.dtype, self.device,
                                       self.drafter.config.hidden_size if self.drafter is not None else None)
+        self.scheduler.share_prompts = self.prefix is not None
         self.reserve(context_length or DEFAULT_CONTEXT, pool=False)
         # the models', tokenizer's and caches' objects (~450k for the embedded pair) leave the cyclic
         # collector's view: a full collection over them took 0.2 s, inside whichever step it fell on
@@ -195,8 +196,9 @@ class BatchEngine:
         items = self._propose(plan)
         draft_ms = (time.perf_counter() - t0) * 1e3
         # 2. budget: one ranking of every candidate node; each tree cut to what is worth its rows
-        choice = self.budget.cut(items, plan.rows, len(plan.chunks), self._context(items), draft_ms) \
-            if self.budget is not None else None
+        choice = None
+        if self.budget is not None and items:
+            choice = self.budget.cut(items, plan.rows, len(plan.chunks), self._context(items), draft_ms)
         t_budget = time.perf_counter()
         # 3. verify: one packed target forward over the prompt chunks and the trees
         first_logits, logits, fused = self.runner.forward(plan.chunks, items)

@@ -77,6 +77,9 @@ class Scheduler:
         self.slots, self.max_rows = len(lanes), max_rows
         self.prefill_rows = prefill_rows if callable(prefill_rows) else (lambda base, past, prompts, rows=prefill_rows: rows)
         self.prefill_chunk = prefill_chunk or max_rows
+        self.share_prompts = False
+        """A request whose prompt another one is reading waits for it, then takes the prompt from
+        the prefix cache (set where there is one: ``n`` choices of one request read their prompt once)."""
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free: list[Any] = lanes
@@ -140,6 +143,9 @@ class Scheduler:
         joins = [r for r in waiting if not r.cancelled][:max(free, 0)]
         decoders = [r for r in staying if r.status is Status.DECODE]
         prefilling = [r for r in staying if r.status is Status.PREFILL] + joins
+        if self.share_prompts:  # a prompt being read already: the same prompt again waits to take it from the cache
+            prefilling = [r for i, r in enumerate(prefilling)
+                          if r.prefilled or not any(o.prompt == r.prompt for o in prefilling[:i])]
         first = prefilling[0].prefilled if prefilling else 0
         room = min(self.prefill_rows(len(decoders), first, len(prefilling)) if decoders else self.max_rows, self.max_rows - len(decoders))
         chunks = []
