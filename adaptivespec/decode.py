@@ -362,7 +362,6 @@ class Engine:
             "tokens_per_second": len(out) / wall if wall > 0 else 0.0,
             "prefill_seconds": prefill,
             "promoted_tokens": promoted,
-            "finish_reason": self.finish_reason,
         }
         return self.finish(out, stats, records)
 

@@ -193,13 +193,14 @@ def test_a_cached_prefix_gives_the_head_the_state_it_reaches_reading_the_whole_p
 
 @pytest.mark.model
 def test_requests_sharing_a_prefix_in_one_batch_and_no_cache_at_zero(greedy_reference):
-    """Three requests at once, two of them the same prompt (neither finished: nothing to share yet),
-    then both again beside a third: the repeats load, the newcomer shares the system prompt; with
-    ``batch.prefix_cache_mb: 0`` nothing is kept. Every output is greedy's."""
+    """Three requests at once, two of them the same prompt: the second waits while the first reads
+    it, then takes all of it but its last token from the cache (``n`` choices read their prompt
+    once); then both prompts again: the repeats load; with ``batch.prefix_cache_mb: 0`` nothing is
+    kept. Every output is greedy's."""
     refs = [greedy_reference(PROMPTS[i], N) for i in (0, 2)]
     be = engine("batched-hybrid.yaml", slots=3)
     a, b, c = run(be, refs[0][0], refs[0][0], refs[1][0])
-    assert (a.cached, b.cached, c.cached) == (0, 0, 0)
+    assert (a.cached, b.cached, c.cached) == (0, len(refs[0][0]) - 1, 0)
     d, e = run(be, refs[0][0], refs[1][0])
     assert (d.cached, e.cached) == (len(refs[0][0]) - 1, len(refs[1][0]) - 1)
     assert [r.out for r in (a, b, c, d, e)] == [refs[0][1], refs[0][1], refs[1][1], refs[0][1], refs[1][1]]

@@ -172,7 +172,7 @@ def run_one(contender: Contender, problem: Problem, index: int, max_new_tokens: 
     seed = contender.seed_for(index)  # record i samples with generation.seed + i
     fmt = response_format_of(problem)  # a structured-output prompt's own format (None: free text)
     extra = {"response_format": fmt} if fmt is not None else {}
-    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: accepted.append(r.accepted),
+    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: r.undrafted is None and accepted.append(r.accepted),
                                     seed=seed, **extra)
     graded = grade(problem, result.text)
     return RunRecord.from_stats(
