@@ -136,7 +136,7 @@ class Engine:
         """The primary EOS id (the tokenizer's) or None; :attr:`eos_ids` holds them all."""
         self._stops: frozenset[int] = self.eos_ids  # this generation's: eos_ids and the request's stop_ids
         self._observe = host.has_observers("adaptivespec_step")
-        self.sampling = self.sampler
+        self.config_sampler = self.sampler
         """The config's sampler (None: greedy); a generation with its own settings gets its own."""
         self.constraint = None
         """The running generation's grammar state (None: free text)."""
@@ -208,7 +208,7 @@ class Engine:
         ``on_logprobs`` before its tokens go to ``on_tokens``. :meth:`generate_ids` and each lane of
         a batch call it."""
         self._stops = self.eos_ids.union(int(i) for i in stop_ids) if stop_ids else self.eos_ids
-        sampler = self.sampling  # the config's
+        sampler = self.config_sampler
         if sampling is not None:
             sampler = None if sampling.temperature == 0 else Sampler(sampling.temperature, sampling.top_k, sampling.top_p,
                                                                       sampling.min_p, self.runtime.device)

@@ -30,8 +30,7 @@ from adaptivespec.batch.scheduler import Chunk, Scheduler, StepPlan
 from adaptivespec.batch.step import Item, StepOutput, read_prompts
 from adaptivespec.decode import Engine, GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
-from adaptivespec.fastpath.batched import KVSlab
-from adaptivespec.fastpath.kvcache import buffered_cache, empty
+from adaptivespec.fastpath.kvcache import empty
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.runtime import TorchRuntime
 from adaptivespec.types import VerifyResult
@@ -117,35 +116,17 @@ class BatchEngine:
     def running(self) -> list[Request]:
         return self.scheduler.running
 
-    @property
-    def slab(self) -> KVSlab | None:
-        return self.runner.slab
-
     @staticmethod
     def _context(items: Sequence[Item]) -> float:
         return sum(it.request.lane.engine.runtime.P for it in items) / len(items)
 
     # -- requests in and out ----------------------------------------------------------------------
     def reserve(self, positions: int, *, pool: bool = True) -> None:
-        """Every lane's caches sized for ``positions`` context positions now (a server's start-up):
-        the target's in one :class:`~adaptivespec.fastpath.batched.KVSlab` (slot ``i``: lane ``i``),
-        the draft head's per lane; with ``pool`` the prefix cache's pool made resident too (the
-        engine's own first call leaves its pages to be written as sequences are kept)."""
-        rt0 = self.lanes[0].engine.runtime
-        cap = rt0.reserved_positions(positions)
-        self.runner.slab = None  # the old slab goes before the new one is taken
-        for lane in self.lanes:
-            lane.engine.runtime.cache = None
-        self.runner.slab = slab = KVSlab(self.target.config, len(self.lanes), cap, rt0.dtype, self.device)
-        for lane in self.lanes:
-            rt = lane.engine.runtime
-            rt.cache = buffered_cache(self.target.config, cap)
-            slab.bind(lane.index, rt.cache)
-            with self.heads.bound(lane):
-                lane.engine.reserve(positions)
-            # the head's input state of every position of the lane's sequence, for the prefix cache
-            heads = self.prefix.states if self.prefix is not None else None
-            lane.states = heads.new_zeros(cap, heads.shape[1]) if heads is not None else None
+        """Every lane's caches sized for ``positions`` context positions now (a server's start-up;
+        :meth:`Runner.reserve <adaptivespec.batch.runner.Runner.reserve>`); with ``pool`` the prefix
+        cache's pool made resident too (the engine's own first call leaves its pages to be written as
+        sequences are kept)."""
+        self.runner.reserve(self.lanes, positions, self.heads, self.prefix.states if self.prefix is not None else None)
         if pool and self.prefix is not None:
             self.prefix.resident()
 
@@ -188,7 +169,7 @@ class BatchEngine:
             self._flush = False
         ended: list[Request] = []
         plan = self.scheduler.schedule(admit=self._join, leave=lambda r: ended.append(self._finish(r, "cancelled")),
-                                       match=self._match if self.prefix is not None else None)
+                                       match=self.prefix.take if self.prefix is not None else None)
         if plan.idle:
             return ended
         t0 = time.perf_counter()
@@ -242,19 +223,6 @@ class BatchEngine:
             rt.reserve(len(r.prompt) + r.max_new_tokens)  # fits the reserved caches: nothing allocated
         rt.cache = empty(rt.cache)
         rt.P = 0
-
-    def _match(self, r: Request) -> int:
-        """What the prefix cache keeps of ``r``'s prompt, taken (the scheduler asks for every request
-        that holds a lane and has read none of its prompt, at every step until its first chunk
-        runs): its keys and values into the lane's cache, the head's rows for it
-        (``lane.kept_rows``) to go with its first chunk's, so the head follows them, or leaves them
-        pending, as it would have followed the prompt read whole. Returns the tokens taken."""
-        lane = r.lane
-        n, states = self.prefix.load(r.prompt, lane.engine.runtime.cache)
-        if n and states is not None:
-            lane.kept_rows = (torch.tensor(r.prompt[1:n + 1], dtype=torch.long, device=self.device), states,
-                              torch.arange(n, device=self.device))
-        return n
 
     def abort(self, reason: str) -> list[Request]:
         """End the running requests (those holding a lane) with ``finish_reason`` ``"error"``: a step

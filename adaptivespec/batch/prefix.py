@@ -122,6 +122,20 @@ class PrefixCache:
             layer.update(self.k[i].index_select(1, slots).unsqueeze(0), self.v[i].index_select(1, slots).unsqueeze(0))
         return n, (self.states.index_select(0, slots) if self.states is not None else None)
 
+    def take(self, r) -> int:
+        """What is kept of request ``r``'s prompt, taken into its lane (the scheduler asks for every
+        request that holds a lane and has read none of its prompt, at every step until its first
+        chunk runs): the keys and values into the lane's cache, the head's rows for them
+        (``lane.kept_rows``) to go with its first chunk's, so the head follows them, or leaves them
+        pending, as it would have followed the prompt read whole. Returns the tokens taken."""
+        lane = r.lane
+        n, states = self.load(r.prompt, lane.engine.runtime.cache)
+        if n and states is not None:
+            device = states.device
+            lane.kept_rows = (torch.tensor(r.prompt[1:n + 1], dtype=torch.long, device=device), states,
+                              torch.arange(n, device=device))
+        return n
+
     def store(self, tokens: Sequence[int], cache, states: torch.Tensor | None = None) -> bool:
         """Keep ``tokens`` with their keys and values (the first ``len(tokens)`` positions of
         ``cache``) and draft-head input states (``states[:len(tokens)]``). Where a kept sequence

@@ -13,6 +13,7 @@ from adaptivespec.batch.request import Lane
 from adaptivespec.batch.scheduler import Chunk
 from adaptivespec.batch.step import Item
 from adaptivespec.fastpath.batched import KVSlab, Part, kernels_attend, layer_pieces, packed_forward, padded_rows
+from adaptivespec.fastpath.kvcache import buffered_cache
 from adaptivespec.tree_sampling import greedy_ids
 from adaptivespec.types import DraftTree, TreeShape
 
@@ -31,6 +32,26 @@ class Runner:
         self.head_states = [i + 1 for i in drafter.aux_layers] if drafter is not None else False
         self.slab: KVSlab | None = None
         """Every lane's target caches, slot ``i`` lane ``i`` (set by the engine's ``reserve``)."""
+
+    def reserve(self, lanes: Sequence[Lane], positions: int, heads, states: torch.Tensor | None) -> None:
+        """Every lane's caches sized for ``positions`` context positions: the target's in one
+        :class:`~adaptivespec.fastpath.batched.KVSlab` (slot ``i``: lane ``i``), the draft head's per
+        lane (``heads``: :class:`~adaptivespec.batch.head.DraftHeads`), and with the prefix cache's
+        ``states`` (its pool of the head's input states) the lane's own such state per position."""
+        rt0 = lanes[0].engine.runtime
+        config = rt0.target.config
+        cap = rt0.reserved_positions(positions)
+        self.slab = None  # the old slab goes before the new one is taken
+        for lane in lanes:
+            lane.engine.runtime.cache = None
+        self.slab = slab = KVSlab(config, len(lanes), cap, rt0.dtype, self.device)
+        for lane in lanes:
+            rt = lane.engine.runtime
+            rt.cache = buffered_cache(config, cap)
+            slab.bind(lane.index, rt.cache)
+            with heads.bound(lane):
+                lane.engine.reserve(positions)
+            lane.states = states.new_zeros(cap, states.shape[1]) if states is not None else None
 
     def slot(self, lane: Lane) -> int | None:
         """``lane``'s slot in the slab, or None when its cache left it (a request longer than reserved)."""
