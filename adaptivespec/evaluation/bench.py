@@ -172,8 +172,12 @@ def run_one(contender: Contender, problem: Problem, index: int, max_new_tokens: 
     seed = contender.seed_for(index)  # record i samples with generation.seed + i
     fmt = response_format_of(problem)  # a structured-output prompt's own format (None: free text)
     extra = {"response_format": fmt} if fmt is not None else {}
-    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=lambda r: r.undrafted is None and accepted.append(r.accepted),
-                                    seed=seed, **extra)
+
+    def on_step(record) -> None:  # drafted steps only (a plain step has ``undrafted`` set)
+        if getattr(record, "undrafted", None) is None:
+            accepted.append(record.accepted)
+
+    result = contender.generate_ids(ids, max_new_tokens=max_new_tokens, on_step=on_step, seed=seed, **extra)
     graded = grade(problem, result.text)
     return RunRecord.from_stats(
         result.stats, config=contender.name, id=problem.id, index=index, seed=seed, correct=graded.correct,

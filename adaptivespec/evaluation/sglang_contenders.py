@@ -186,6 +186,7 @@ class _TraceStep:
         self.accepted = int(d["accepted"])
         self.shape = tuple(d["shape"])
         self.batch_size = d.get("bs")
+        self.undrafted = None  # SGLang's trace has a line per drafted step
 
 
 def served_config_file(config: Config, name: str) -> str:
