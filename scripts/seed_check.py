@@ -13,16 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from batch_mismatch import common_prefix  # (this folder: run as a script)
+
 DEFAULT_CONFIGS = ["configs/hybrid.yaml", "configs/batched-hybrid.yaml", "configs/cost-aware-hybrid.yaml"]
-
-
-def common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             be.step()
         among = [r.out for r in reqs]
         same = sum(a == b == c for a, b, c in zip(alone, solo, among))
-        share = sum(min(common(a, b), common(a, c)) / max(len(a), 1) for a, b, c in zip(alone, solo, among)) / len(alone)
+        share = sum(min(common_prefix(a, b), common_prefix(a, c)) / max(len(a), 1) for a, b, c in zip(alone, solo, among)) / len(alone)
         print(f"| `{path.rsplit('/', 1)[-1].removesuffix('.yaml')}` | {same}/{len(alone)} | "
               f"{sum(a == b for a, b in zip(alone, solo))}/{len(alone)} | {sum(b == c for b, c in zip(solo, among))}/{len(alone)} | "
               f"{share:.1%} |", flush=True)

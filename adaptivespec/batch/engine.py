@@ -26,8 +26,8 @@ from adaptivespec.batch.head import DraftHeads
 from adaptivespec.batch.prefix import PrefixCache
 from adaptivespec.batch.request import Lane, Request, Status
 from adaptivespec.batch.runner import Runner
-from adaptivespec.batch.scheduler import Chunk, Scheduler, StepPlan
-from adaptivespec.batch.step import Item, StepOutput, read_prompts
+from adaptivespec.batch.scheduler import Scheduler, StepPlan
+from adaptivespec.batch.step import Item, StepOutput, StepStats, read_prompts  # noqa: F401 - StepStats: its old name
 from adaptivespec.decode import Engine, GenerationResult
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.fastpath.kvcache import empty
@@ -40,7 +40,6 @@ PREFILL_ROWS_UNMEASURED = 128
 DEFAULT_CONTEXT = 2048
 """Context positions per lane reserved when the caller names none (a longer request gets caches of
 its own, outside the slab: correct, slower)."""
-StepStats = StepOutput  # (its name before it carried the step's records)
 
 
 class BatchEngine:
