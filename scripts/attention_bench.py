@@ -11,7 +11,9 @@ rows) with each way this project can compute it:
   (``adaptivespec.fastpath.forward._fold_mask``; the fused forward's choice where it pays);
 * ``sgl-extend``: SGLang's CPU ``extend_attention_cpu`` with its tree mask (only where
   ``sgl_kernel`` imports), which reads the prefix and the new rows separately;
-* ``bmm``: scores by batched matmul with the heads folded, softmax in float32.
+* ``bmm``: scores by batched matmul with the heads folded, softmax in float32;
+* ``kernel``: this project's bfloat16 attention (``csrc/bf16_attention.cpp``, where the CPU has
+  AVX512-BF16): the fused forward's choice wherever it builds.
 
 and, for reference, one row without a mask (a plain decoding step). Medians of ``--repeat`` calls.
 
@@ -59,7 +61,14 @@ def variants(keys: int, rows: int):
     mask = torch.zeros(1, 1, rows, keys, dtype=torch.bfloat16).masked_fill_(~allowed, float("-inf"))
     out: dict = {}
     if rows == 1:
-        out["sdpa (one row, no mask)"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        from adaptivespec.fastpath.forward import attend
+        from adaptivespec.fastpath.native import attention_ops
+
+        out["sdpa (one row, no mask)"] = lambda: attend(q, k, v, None, None)
+        kernel = attention_ops()
+        if kernel is not None:
+            out["kernel (one row)"] = lambda: kernel.attend_bf16(q[0].transpose(0, 1), k[0], v[0], keys, None, False,
+                                                                 HEAD ** -0.5)
         return out
     out["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     folded = fold_rows(mask, rows, g, keys)  # what _fold_mask builds, at any size
@@ -71,6 +80,12 @@ def variants(keys: int, rows: int):
         p = torch.softmax(s.view(KV_HEADS, g, rows, keys) + mask[0].float(), -1).to(torch.bfloat16)
         return torch.matmul(p.view(KV_HEADS, g * rows, keys), v[0])
     out["bmm"] = bmm
+    from adaptivespec.fastpath.native import attention_ops
+
+    kernel = attention_ops()
+    if kernel is not None:  # the tree's part of the mask; q as the fused forward holds it, [rows, heads, D]
+        vis, qn = allowed[:, keys - rows:], q[0].transpose(0, 1)
+        out["kernel"] = lambda: kernel.attend_bf16(qn, k[0], v[0], keys - rows, vis, False, HEAD ** -0.5)
     try:
         import sgl_kernel  # noqa: F401
 

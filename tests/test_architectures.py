@@ -175,8 +175,10 @@ def test_fused_forward_is_bit_identical_to_transformers(arch, monkeypatch):
 
     from adaptivespec.fastpath import forward as fastforward
     from adaptivespec.fastpath.forward import FastLlama, supported
+    from adaptivespec.fastpath.native import ATTENTION_ENV
 
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     model = build_target(arch, torch.bfloat16, vocab_size=320)
     needs_prepack(model)
     assert supported(model) is None
@@ -298,9 +300,11 @@ def test_the_fused_head_path_follows_a_head_whose_attention_is_wider_than_its_hi
     fused bfloat16 step gives the modules' outputs bit for bit (oneDNN)."""
     from adaptivespec.drafter import Eagle3Drafter
     from adaptivespec.fastpath.drafter import fast_drafter
+    from adaptivespec.fastpath.native import ATTENTION_ENV
     from adaptivespec.fastpath.prepack import NO_SGL_ENV, can_prepack
 
     monkeypatch.setenv(NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     target = build_target("qwen3", torch.bfloat16)
     wide = write_head(target, tmp_path / "wide-head", head_dim=32)
     cfg = json.loads((wide / "config.json").read_text())

@@ -607,20 +607,14 @@ def test_slab_forward_equals_the_forward_over_separate_caches(tiny):
 
 
 @torch.inference_mode()
-def test_slab_attention_by_sglang_kernels_equals_sdpa():
-    """Where SGLang's CPU kernels are installed (bfloat16), the slab's shared attention runs them
-    (one-row members in ``decode_attention_cpu``, trees and short chunks in ``extend_attention_cpu``
-    padded to the widest): the same outputs and slab contents as the folded SDPA call, for one-row
-    parts, trees (additive and bool masks) and causal chunks at different pasts (a 16-row prompt chunk
-    over 140 keys the widest), an idle slot between."""
+def slab_attention(sgl=None, kernel=None):
+    """The slab's shared attention over two layers for one-row parts, trees (additive and bool masks)
+    and causal chunks at different pasts (a 16-row prompt chunk over 140 keys the widest), an idle
+    slot between, padded rows at the end: (outputs [R, H * D], the slab, the members' rows)."""
     from types import SimpleNamespace
 
     from adaptivespec.fastpath.batched import KVSlab, SlabStep
-    from adaptivespec.fastpath.prepack import sgl_ops
 
-    sgl = sgl_ops()
-    if sgl is None or not hasattr(sgl, "extend_attention_cpu"):
-        pytest.skip("SGLang's CPU kernels are not installed here (scripts/install_sglang_cpu.sh)")
     heads, kv_heads, D, cap = 8, 2, 64, 160
     cfg = SimpleNamespace(num_key_value_heads=kv_heads, head_dim=D, hidden_size=heads * D, num_attention_heads=heads,
                           num_hidden_layers=2)
@@ -643,19 +637,44 @@ def test_slab_attention_by_sglang_kernels_equals_sdpa():
     q = torch.randn(R, heads, D, generator=g).bfloat16()
     k = torch.randn(R, kv_heads, D, generator=g).bfloat16()
     v = torch.randn(R, kv_heads, D, generator=g).bfloat16()
-    outs, slabs = [], []
-    for use in (sgl, None):
-        torch.manual_seed(1)
-        slab = KVSlab(cfg, 8, cap, torch.bfloat16, "cpu")
-        for t in (*slab.k, *slab.v):
-            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).bfloat16())
-        step = SlabStep(slab, parts, starts, pasts, heads, torch.bfloat16, "cpu", use)
-        assert (step.kernels is not None) == (use is not None)
-        attn = torch.zeros(R, heads * D, dtype=torch.bfloat16)
-        for i in range(2):
-            step.attend(i, q, k, v, attn, None)
-        outs.append(attn), slabs.append(slab)
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2)
-    assert outs[0][start:].abs().sum() == 0  # padded rows untouched
-    for a, b in zip((*slabs[0].k, *slabs[0].v), (*slabs[1].k, *slabs[1].v)):
+    slab = KVSlab(cfg, 8, cap, torch.bfloat16, "cpu")
+    for t in (*slab.k, *slab.v):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).bfloat16())
+    step = SlabStep(slab, parts, starts, pasts, heads, torch.bfloat16, "cpu", sgl, kernel)
+    assert (step.kernels is not None) == (sgl is not None and kernel is None)
+    assert (step.kernel is not None) == (kernel is not None)
+    attn = torch.zeros(R, heads * D, dtype=torch.bfloat16)
+    for i in range(2):
+        step.attend(i, q, k, v, attn, None)
+    return attn, slab, start
+
+
+def test_slab_attention_by_sglang_kernels_equals_sdpa():
+    """Where SGLang's CPU kernels are installed (bfloat16), the slab's shared attention runs them
+    (one-row members in ``decode_attention_cpu``, trees and short chunks in ``extend_attention_cpu``
+    padded to the widest): the same outputs and slab contents as the folded SDPA call."""
+    from adaptivespec.fastpath.prepack import sgl_ops
+
+    sgl = sgl_ops()
+    if sgl is None or not hasattr(sgl, "extend_attention_cpu"):
+        pytest.skip("SGLang's CPU kernels are not installed here (scripts/install_sglang_cpu.sh)")
+    (got, slab, start), (want, ref, _) = slab_attention(sgl), slab_attention()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert got[start:].abs().sum() == 0  # padded rows untouched
+    for a, b in zip((*slab.k, *slab.v), (*ref.k, *ref.v)):
         assert torch.equal(a, b)  # every member's keys and values written where SDPA's path writes them
+
+
+def test_slab_attention_by_the_bf16_kernel_equals_sdpa():
+    """With the bf16 attention kernel (AVX512-BF16 CPUs) every member attends over its own slot in one
+    ``attend_slab`` call: the folded SDPA call's outputs to bf16 rounding, the same slab contents."""
+    from adaptivespec.fastpath.native import attention_ops, attention_why_not
+
+    kernel = attention_ops()
+    if kernel is None:
+        pytest.skip(f"no bf16 attention kernel here: {attention_why_not()}")
+    (got, slab, start), (want, ref, _) = slab_attention(kernel=kernel), slab_attention()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2)
+    assert got[start:].abs().sum() == 0  # padded rows untouched
+    for a, b in zip((*slab.k, *slab.v), (*ref.k, *ref.v)):
+        assert torch.equal(a, b)

@@ -15,6 +15,7 @@ from torch import nn
 from adaptivespec.fastpath import drafter as fastdrafter
 from adaptivespec.drafter import Eagle3Drafter
 from adaptivespec.fastpath.drafter import fast_drafter
+from adaptivespec.fastpath.native import ATTENTION_ENV
 from adaptivespec.fastpath.prepack import NO_SGL_ENV, can_prepack, sgl_ops
 
 pytestmark = pytest.mark.model  # loads the embedded target
@@ -87,6 +88,7 @@ def trace(d: Eagle3Drafter) -> list[torch.Tensor]:
 
 def test_onednn_fused_drafter_is_bit_identical_to_the_modules(target16, monkeypatch):
     monkeypatch.setenv(NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     d = head(target16)
     assert d.fast is None  # only a runtime (or fast_drafter) enables it
     ref = trace(d)
@@ -120,6 +122,27 @@ def test_sgl_kernel_fused_drafter_agrees_to_bfloat16_rounding(target16):
         assert torch.equal(got[i].argmax(-1), ref[i].argmax(-1))
 
 
+def test_the_bf16_attention_kernel_in_the_fused_drafter_agrees_to_bfloat16_rounding(target16, monkeypatch):
+    """With the bf16 attention kernel (AVX512-BF16 CPUs) the head's prompt pass, draft levels and
+    extension attend through it: the modules' states and draft distributions to bfloat16 rounding."""
+    from adaptivespec.fastpath.native import attention_ops, attention_why_not
+
+    if attention_ops() is None:
+        pytest.skip(f"no bf16 attention kernel here: {attention_why_not()}")
+    monkeypatch.setenv(NO_SGL_ENV, "1")
+    d = head(target16)
+    ref = trace(d)
+    fast = fast_drafter(d)
+    assert fast.kernel is attention_ops()
+    got = trace(d)
+    assert len(got) == len(ref)
+    for r, g in zip(ref, got):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert (g.float() - r.float()).norm() <= 0.02 * r.float().norm()
+    for i in (2, 4, 6, 9):  # the draft distributions' top tokens
+        assert torch.equal(got[i].argmax(-1), ref[i].argmax(-1))
+
+
 def test_float32_and_the_switch_keep_the_modules(target16, smol32, monkeypatch):
     d32 = Eagle3Drafter.from_pretrained("embedded", smol32[0], torch.float32)
     assert fast_drafter(d32) is None and d32.fast is None
@@ -135,6 +158,7 @@ def test_float32_and_the_switch_keep_the_modules(target16, smol32, monkeypatch):
 
 def test_fused_drafter_never_serves_stale_weights(target16, monkeypatch):
     monkeypatch.setenv(NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     d = head(target16)
     fast = fast_drafter(d)
     x = torch.randn(3, d.config.hidden_size).bfloat16()
@@ -172,6 +196,7 @@ def test_folded_tree_levels_give_the_same_outputs(target16, monkeypatch):
     from adaptivespec.fastpath import forward as fastforward
 
     monkeypatch.setenv(NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     d = head(target16)
     fast_drafter(d)
     monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 10**9)

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from adaptivespec.fastpath import forward as fastforward
 from adaptivespec.fastpath.forward import FastLlama, fast_forward, sgl_ops, supported
 from adaptivespec.fastpath.kvcache import buffered_cache
+from adaptivespec.fastpath.native import ATTENTION_ENV
 from adaptivespec.fastpath.prepack import can_prepack
 
 from test_fastpath import tree_mask
@@ -52,6 +53,7 @@ def trace(forward, model):
 
 def test_onednn_fused_forward_is_bit_identical_to_transformers(monkeypatch):
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     model = tiny()
     needs_prepack(model)
     ff = FastLlama(model, sgl=None)
@@ -69,6 +71,7 @@ def test_unmasked_rows_after_a_prefill_return_hidden_states(monkeypatch):
     """Several rows continuing a cached sequence without a given mask (the forward builds the
     causal one) and with hidden states requested: the same states and logits as transformers."""
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     model = tiny()
     needs_prepack(model)
     ff = FastLlama(model, sgl=None)
@@ -168,6 +171,7 @@ def test_packed_weight_matches_linear_on_either_kernel_and_falls_back_for_shapes
 def test_folded_tree_attention_is_bit_identical_to_transformers(monkeypatch):
     """Query heads folded into rows (long-context tree attention) compute the same outputs."""
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 1)  # fold at this test's short context
     folds = []
     fold = fastforward._fold_mask
@@ -221,6 +225,7 @@ def test_a_chunked_prefill_through_the_fused_forward_follows_transformers(monkey
     """A prompt prefilled in chunks (the later ones through attend_after_prefix, its thresholds
     lowered to this tiny model): transformers' chunked logits and hidden states to bfloat16 rounding."""
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
+    monkeypatch.setenv(ATTENTION_ENV, "1")  # torch's attention: the path compared bit for bit
     if fastforward._FLASH_CPU is None:
         pytest.skip("this torch has no CPU flash-attention kernel")
     monkeypatch.setattr(fastforward, "FOLD_MIN_KEYS", 16)

@@ -136,11 +136,15 @@ class SlabStep:
     idle rows see key 0 alone (so no row is all masked)."""
 
     def __init__(self, slab: KVSlab, parts: Sequence[Part], starts: Sequence[int], pasts: Sequence[int],
-                 heads: int, dtype: torch.dtype, device, sgl=None) -> None:
+                 heads: int, dtype: torch.dtype, device, sgl=None, kernel=None) -> None:
         self.slab = slab
         self.members = [j for j, p in enumerate(parts) if p.slot is not None and p.rows <= SLAB_MAX_ROWS]
         self.kernels = None
+        self.kernel = None
         if not self.members:
+            return
+        if kernel is not None and dtype == torch.bfloat16:  # the bf16 kernel: every member over its own keys, one call
+            self._kernel_plan(kernel, parts, starts, pasts, device)
             return
         if kernels_attend(sgl, dtype):
             self.kernels = SlabKernels(sgl, slab, parts, starts, pasts, self.members, heads, device)
@@ -180,6 +184,28 @@ class SlabStep:
         self.positions = torch.cat(positions)  # where their keys go in the slot
         self.flat = torch.cat(flat)  # their place in the [slots * r_max] output
 
+    def _kernel_plan(self, kernel, parts: Sequence[Part], starts: Sequence[int], pasts: Sequence[int], device) -> None:
+        """Each member's rows, slot, past and tree mask (``attend_slab``'s table), and the slab rows
+        its new keys go to."""
+        meta, masks, offset, rows, slots, positions = [], [], 0, [], [], []
+        for j in self.members:
+            p, s0, past = parts[j], starts[j], pasts[j]
+            r = p.rows
+            if p.mask is not None:  # a tree's mask over its own rows (every member row sees its whole past)
+                own = p.mask[0, 0, :, past : past + r]
+                masks.append((own if own.dtype == torch.bool else own == 0).reshape(-1))
+                meta.append((s0, r, p.slot, past, offset))
+                offset += r * r
+            else:  # causal over the new rows
+                meta.append((s0, r, p.slot, past, -1))
+            rows.append(torch.arange(s0, s0 + r, device=device))
+            slots.append(torch.full((r,), p.slot, dtype=torch.long, device=device))
+            positions.append(torch.arange(past, past + r, device=device))
+        self.kernel = kernel
+        self.meta = torch.tensor(meta, dtype=torch.long)
+        self.tree_masks = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        self.rows, self.slots, self.positions = torch.cat(rows), torch.cat(slots), torch.cat(positions)
+
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor,
                scale: float | None) -> None:
         """Layer ``i``: write the members' keys and values into the slab, attend, and put their
@@ -189,6 +215,10 @@ class SlabStep:
         K, V = self.slab.k[i], self.slab.v[i]
         K[self.slots, :, self.positions] = k[self.rows]
         V[self.slots, :, self.positions] = v[self.rows]
+        if self.kernel is not None:
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            self.kernel.attend_slab(q, K, V, self.meta, self.tree_masks, scale, attn)
+            return
         K, V = K[self.lo : self.hi], V[self.lo : self.hi]
         n, H, D = self.hi - self.lo, q.shape[1], q.shape[2]
         Hkv, r = K.shape[1], self.r_max
@@ -366,10 +396,12 @@ def packed_forward(pieces, ids: torch.Tensor, positions: torch.Tensor, parts: Se
         pasts.append(p.cache.get_seq_length())
         start += p.rows
     native = getattr(pieces, "native", None)  # the int8 target: every part by the layout-invariant kernel
-    shared = (SlabStep(slab, parts, starts, pasts, pieces.heads, h.dtype, ids.device, getattr(pieces, "sgl", None))
-              if slab is not None and native is None else None)
+    kernel = getattr(pieces, "kernel", None)  # the bf16 attention kernel, where it builds
+    shared = (SlabStep(slab, parts, starts, pasts, pieces.heads, h.dtype, ids.device, getattr(pieces, "sgl", None),
+                       kernel) if slab is not None and native is None else None)
     alone = [j for j in range(len(parts)) if shared is None or j not in shared.members]
-    plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device, native) for j in alone}
+    plans = {j: AttentionPlan.of(parts[j].rows, pasts[j], parts[j].mask, groups, ids.device, native, kernel)
+             for j in alone}
     wanted = None if hidden is True or hidden is False else frozenset(hidden)
     if wanted is not None and not wanted:
         hidden = False
@@ -466,9 +498,15 @@ def packed_draft_step(drafter, tokens: torch.Tensor, states: torch.Tensor, posit
         qp, kp, vp = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, rows, D]
         with bound(drafter, p.kv) as d:
             keys, values, mask = d.append_kv(kp, vp, p.mask, qp.dtype)
-        folded = _fold_mask(mask, e - s, heads // kp.shape[1], keys.shape[-2])  # as FastEagle3.step
-        out = attend(qp, keys, values, mask, folded)
-        attn[s:e] = out[0].transpose(0, 1).reshape(e - s, q_size)
+        kernel = fast.kernel if fast is not None else None
+        if kernel is not None:  # as FastEagle3.step: the bf16 kernel, prompt unmasked, levels under the mask
+            past = keys.shape[-2] - (e - s)
+            plan = AttentionPlan.of(e - s, past, mask, heads // kp.shape[1], qp.device, kernel=kernel)
+            attn[s:e] = plan.attend_rows(qp, keys, values, past, None)
+        else:
+            folded = _fold_mask(mask, e - s, heads // kp.shape[1], keys.shape[-2])  # as FastEagle3.step
+            out = attend(qp, keys, values, mask, folded)
+            attn[s:e] = out[0].transpose(0, 1).reshape(e - s, q_size)
         start = e
     if fast is not None:
         return fast.finish(states, attn)[:R]

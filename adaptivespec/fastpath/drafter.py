@@ -29,7 +29,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.fastpath.forward import DISABLE_ENV, _fold_mask, _probe, attend, pack, rms_norm, rope
+from adaptivespec.fastpath.forward import DISABLE_ENV, AttentionPlan, _fold_mask, _probe, attend, pack, rms_norm, rope
+from adaptivespec.fastpath.native import attention_ops
 from adaptivespec.fastpath.prepack import can_prepack, sgl_ops
 
 
@@ -51,6 +52,7 @@ class FastEagle3:
     def __init__(self, drafter, sgl=None) -> None:
         cfg = drafter.config
         self.sgl = sgl
+        self.kernel = attention_ops() if drafter.lm_head.weight.dtype == torch.bfloat16 else None
         self.backend = "sgl_kernel" if sgl is not None else "onednn"
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hidden = cfg.hidden_size
@@ -141,6 +143,10 @@ class FastEagle3:
         H, Hkv = self.heads, self.kv_heads
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in self.project(drafter, tokens, state, positions))
         keys, values, mask = drafter.append_kv(k, v, mask, q.dtype)
+        if self.kernel is not None:  # the bf16 kernel: the prompt read unmasked, the draft levels under the mask
+            past = keys.shape[-2] - b
+            plan = AttentionPlan.of(b, past, mask, H // Hkv, q.device, kernel=self.kernel)
+            return self.finish(state, plan.attend_rows(q, keys, values, past, None))
         folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastpath.forward)
         attn = attend(q, keys, values, mask, folded)
         return self.finish(state, attn[0].transpose(0, 1).reshape(b, self.q_size))

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from adaptivespec.fastpath import native
 from adaptivespec.fastpath.int8 import Int8Linear, Int8Weight, quantization_of
 from adaptivespec.fastpath.prepack import NO_SGL_ENV, PackedWeight, can_prepack, sgl_ops  # noqa: F401
 from adaptivespec.models import attention_unsupported
@@ -152,27 +153,40 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
 class AttentionPlan:
     """How ``n`` new rows after ``past`` cached keys attend, decided once per forward (the same for
-    every layer): with ``mask`` (a tree's, [1, 1, n, >= past + n]; heads folded into rows where
-    that pays, :func:`_fold_mask`), causally over a fresh cache, split around the cached prefix
-    (:func:`attend_after_prefix`: a later chunk of a chunked prefill), or under a causal mask after
-    the past. One row needs no mask."""
+    every layer). With the bfloat16 kernel (``kernel``: :func:`adaptivespec.fastpath.native.attention_ops`)
+    every case runs through it: rows under a mask (a tree: ``limit`` keys every row sees, the committed
+    prefix, and ``visible``, the mask's part after them), a causal chunk (``causal``) or one row. Without it: with ``mask`` (a tree's,
+    [1, 1, n, >= past + n]; heads folded into rows where that pays, :func:`_fold_mask`), causally over
+    a fresh cache, split around the cached prefix (:func:`attend_after_prefix`: a later chunk of a
+    chunked prefill), or under a causal mask after the past. One row needs no mask."""
 
-    __slots__ = ("mask", "folded", "causal", "split", "native", "limit")
+    __slots__ = ("mask", "folded", "causal", "split", "native", "limit", "kernel", "visible")
 
-    def __init__(self, mask, folded, causal: bool, split: bool, native=None, limit=None) -> None:
+    def __init__(self, mask, folded, causal: bool, split: bool, native=None, limit=None, kernel=None,
+                 visible=None) -> None:
         self.mask, self.folded, self.causal, self.split = mask, folded, causal, split
         self.native, self.limit = native, limit
+        self.kernel, self.visible = kernel, visible
 
     @classmethod
     def of(cls, n: int, past: int, attention_mask: torch.Tensor | None, groups: int, device,
-           native=None) -> "AttentionPlan":
-        """``native``: attend by the layout-invariant kernel (:func:`attend_invariant`) instead."""
+           native=None, kernel=None) -> "AttentionPlan":
+        """``native``: attend by the layout-invariant kernel (:func:`attend_invariant`) instead;
+        ``kernel``: the bfloat16 attention kernel, where it applies."""
         if native is not None:
             if attention_mask is not None:  # a tree's additive mask (0: visible) or a boolean one
                 vis = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
                 return cls(vis, None, False, False, native)
             limit = torch.arange(past, past + n, device=device) if n > 1 else None  # causal: row i sees keys <= past + i
             return cls(None, None, False, False, native, limit)
+        if kernel is not None:
+            if attention_mask is None:
+                return cls(None, None, n > 1, False, kernel=kernel)
+            vis = attention_mask[0, 0, :, : past + n]
+            vis = vis if vis.dtype == torch.bool else vis == 0
+            hidden = (~vis.all(0)).nonzero()  # keys some row does not see: the first ends the shared prefix
+            shared = int(hidden[0]) if hidden.numel() else past + n
+            return cls(None, None, False, False, kernel=kernel, visible=vis[:, shared:], limit=shared)
         mask, causal, split = None, False, False
         if attention_mask is not None:
             mask = attention_mask
@@ -191,6 +205,11 @@ class AttentionPlan:
         if self.native is not None:
             return attend_invariant(self.native, q, keys, values, self.mask, self.limit, past, scale)
         _, H, n, D = q.shape
+        if self.kernel is not None:  # the keys every row sees, then the tree's part or the causal edge
+            scale = D ** -0.5 if scale is None else scale
+            seen = self.limit if self.visible is not None else past if self.causal else keys.shape[-2]
+            return self.kernel.attend_bf16(q[0].transpose(0, 1), keys[0], values[0], seen, self.visible, self.causal,
+                                           scale)
         return self.attend(q, keys, values, past, scale)[0].transpose(0, 1).reshape(n, H * D)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int,
@@ -262,10 +281,11 @@ class FastLlama:
         self.backend = "sgl_kernel" if sgl is not None else "onednn"
         self.quantization = quantization_of(model)
         self.native = None  # the int8 target's layout-invariant attention (where its kernels build)
+        self.kernel = None  # the bfloat16 attention kernel (where it builds and the CPU has AVX512-BF16)
         if self.quantization == "int8":
-            from adaptivespec.fastpath.native import ops
-
-            self.native = ops()
+            self.native = native.ops()
+        elif next(model.parameters()).dtype == torch.bfloat16 and model.device.type == "cpu":
+            self.kernel = native.attention_ops()
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -377,7 +397,8 @@ class FastLlama:
         h = self.embed_rows(ids)  # [n, H]
         cos, sin = self.rotary_rows(h, positions)  # [n, 1, D]
         hidden = [self.keep(h)] if output_hidden_states else None
-        plan = AttentionPlan.of(n, past, attention_mask, self.heads // self.kv_heads, ids.device, self.native)
+        plan = AttentionPlan.of(n, past, attention_mask, self.heads // self.kv_heads, ids.device, self.native,
+                                self.kernel)
         layers = cache.layers
         for i, L in enumerate(self.layers):
             q, k, v = self.project(L, h, cos, sin)  # [n, heads, D]

@@ -1,4 +1,7 @@
-"""The int8 target's C++ kernels (``csrc/int8_ops.cpp``), compiled at first use and cached.
+"""This project's C++ kernels, compiled at first use and cached: the int8 target's (``csrc/int8_ops.cpp``,
+:func:`ops`) and the bfloat16 attention over a long cache (``csrc/bf16_attention.cpp``, :func:`attention_ops`).
+
+The int8 target's:
 
 Kernels whose every output is computed by the same code in the same order from its own row: per-row
 activation quantization, the matmul's per-row scaling, RMSNorm, an AVX512-VNNI int8 matmul for few
@@ -7,7 +10,14 @@ independent of the layout it runs in (one row, a tree, a prefill chunk, a batch)
 speculation reproduces its greedy decoding token for token. Built with torch's C++ extension
 loader (a C++ compiler and ninja; ``-march=native``, cached under ``<cache>/native/<cpu>``, ~20 s
 once); where it cannot be built the int8 target runs torch's ops instead (say so once) and its
-attention rounds by layout (docs/int8.md). ``$ADAPTIVESPEC_NO_NATIVE=1`` skips it.
+attention rounds by layout (docs/int8.md). ``$ADAPTIVESPEC_NO_NATIVE=1`` skips every kernel here.
+
+The bfloat16 attention (:mod:`adaptivespec.fastpath.forward` calls it for the target's rows, tree,
+prefill chunk or one row, where the CPU has AVX512-BF16): a KV head's query heads folded into its
+rows, the committed prefix read once for every row and merged with the tree or causal edge in the
+same pass, VDPBF16PS dot products; ~2x torch's CPU flash attention at 1k-4k keys (docs/long-context.md).
+Where it cannot be built (no AVX512-BF16, no compiler) torch's SDPA runs, as before.
+``$ADAPTIVESPEC_NO_ATTENTION_KERNEL=1`` skips it alone.
 """
 
 from __future__ import annotations
@@ -18,9 +28,12 @@ import re
 from pathlib import Path
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_NATIVE"
+ATTENTION_ENV = "ADAPTIVESPEC_NO_ATTENTION_KERNEL"
 SOURCE = Path(__file__).parent / "csrc" / "int8_ops.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 """``-ffp-contract=off``: a multiply and an add stay two roundings, as in torch's ops (the fallback)."""
+ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "bf16_attention.cpp"
+ATTENTION_FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
 
 log = logging.getLogger("adaptivespec.native")
 _STATE: dict[str, object] = {}
@@ -30,7 +43,7 @@ def ops():
     """The compiled module (``quantize_rows``, ``scale_rows``, ``rms_norm``, ``pack_weight``, ``has_vnni``,
     ``int8_linear``, ``attend``), or None (see :func:`why_not`)."""
     if "ops" not in _STATE:
-        _STATE["ops"], _STATE["why"] = _build()
+        _STATE["ops"], _STATE["why"] = _build("adaptivespec_int8_ops", SOURCE, FLAGS)
         if _STATE["ops"] is None:
             log.warning("adaptivespec: int8 kernels not built (%s): torch's ops instead; attention rounds by layout",
                         _STATE["why"])
@@ -42,7 +55,40 @@ def why_not() -> str | None:
     return _STATE["why"]
 
 
-def _build():
+def attention_ops():
+    """The bfloat16 attention module (``attend_bf16``, ``available``) where it builds and the CPU has
+    AVX512-BF16, else None (torch's SDPA then; :func:`attention_why_not` says why)."""
+    if os.environ.get(ATTENTION_ENV, "0") == "1":  # read at every call: a forward built after it is set skips it
+        return None
+    if "attention" not in _STATE:
+        module, why = _build("adaptivespec_bf16_attention", ATTENTION_SOURCE, ATTENTION_FLAGS)
+        if module is not None and not module.available():
+            module, why = None, "the CPU has no AVX512-BF16"
+        _STATE["attention"], _STATE["attention_why"] = module, why
+    return _STATE["attention"]
+
+
+def attention_why_not() -> str | None:
+    if os.environ.get(ATTENTION_ENV, "0") == "1":
+        return f"${ATTENTION_ENV}=1"
+    attention_ops()
+    return _STATE["attention_why"]
+
+
+def _flags_key() -> str:
+    """A short hash of the CPU's feature flags: ``-march=native`` code is kept apart per instruction
+    set (two CPUs can share a model name, e.g. "AMD EPYC", and differ in AVX512-BF16)."""
+    import hashlib
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _build(name: str, source: Path, flags: list[str]):
     if os.environ.get(DISABLE_ENV, "0") == "1":
         return None, f"${DISABLE_ENV}=1"
     try:
@@ -52,10 +98,12 @@ def _build():
         from adaptivespec.paths import cache_dir
 
         cpu = re.sub(r"[^A-Za-z0-9]+", "_", cpu_name()).strip("_")[:48] or "cpu"
-        where = cache_dir() / "native" / cpu
+        where = cache_dir() / "native" / f"{cpu}-{_flags_key()}"
         where.mkdir(parents=True, exist_ok=True)
-        module = ext.load(name="adaptivespec_int8_ops", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                          build_directory=str(where), verbose=False)
+        folder = where / name
+        folder.mkdir(exist_ok=True)
+        module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
+                          verbose=False)
         return module, None
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path runs
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
