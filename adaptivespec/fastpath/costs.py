@@ -95,8 +95,13 @@ def _interp(x, xs: Sequence[int], ys: Sequence[float]):
 
 # -- measuring --------------------------------------------------------------------------------------
 def machine_key(target_name: str, dtype: str) -> dict:
+    """What a cost table holds for: a table measured under another key is measured again (the
+    attention path too: the bf16 kernel changes what a row costs at long context)."""
+    from adaptivespec.fastpath.native import attention_ops
+
+    attention = "kernel" if dtype == "bfloat16" and attention_ops() is not None else "sdpa"
     return {"cpu": cpu_name(), "target": target_name, "dtype": dtype, "threads": torch.get_num_threads(),
-            "torch": torch.__version__.split("+")[0]}
+            "torch": torch.__version__.split("+")[0], "attention": attention}
 
 
 def cost_path(key: dict) -> Path:

@@ -15,7 +15,7 @@ attention rounds by layout (docs/int8.md). ``$ADAPTIVESPEC_NO_NATIVE=1`` skips e
 The bfloat16 attention (:mod:`adaptivespec.fastpath.forward` calls it for the target's rows, tree,
 prefill chunk or one row, where the CPU has AVX512-BF16): a KV head's query heads folded into its
 rows, the committed prefix read once for every row and merged with the tree or causal edge in the
-same pass, VDPBF16PS dot products; ~2x torch's CPU flash attention at 1k-4k keys (docs/long-context.md).
+same pass, VDPBF16PS dot products; ~2x torch's CPU flash attention at 1k-4k keys (docs/speed.md, *Long prompts*).
 Where it cannot be built (no AVX512-BF16, no compiler) torch's SDPA runs, as before.
 ``$ADAPTIVESPEC_NO_ATTENTION_KERNEL=1`` skips it alone.
 """
