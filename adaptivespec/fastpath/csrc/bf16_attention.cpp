@@ -54,6 +54,13 @@ inline __m512 exp16(__m512 x) {  // e^x, ~2 ulp over [-87, 88]; 0 below -87 (and
 constexpr int L = 16;  // pairs (row, query head) per task: one per lane
 constexpr int KJ = 16; // keys per block
 
+// acc + a . (the 32-bit pair at p, broadcast to every lane): VDPBF16PS with an embedded broadcast, one
+// instruction (written out: the compiler emits a separate broadcast, half of the loop's vector work)
+inline __m512 dp_bcast(__m512 acc, __m512bh a, const uint32_t* p) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*p));
+  return acc;
+}
+
 // One tile: up to 16 pairs (row, query head) of one KV head, one pair per lane. Scores of a block of
 // 16 keys are 16 vectors over the pairs (a key's two dims broadcast against the pairs' packed
 // queries): the online softmax runs lane by lane with no horizontal reduction, and the value
@@ -85,7 +92,7 @@ inline void tile_block(Tile<D>& T, const uint16_t* k, int64_t lk, const uint32_t
          s10 = s0, s11 = s0, s12 = s0, s13 = s0, s14 = s0, s15 = s0;
   for (int d2 = 0; d2 < D / 2; ++d2) {
     const __m512bh q = (__m512bh)_mm512_load_si512(T.qp[d2]);
-#define ADAPTIVESPEC_QK(j) s##j = _mm512_dpbf16_ps(s##j, q, (__m512bh)_mm512_set1_epi32(static_cast<int>(kb[(j) * (D / 2) + d2])));
+#define ADAPTIVESPEC_QK(j) s##j = dp_bcast(s##j, q, kb + (j) * (D / 2) + d2);
     ADAPTIVESPEC_QK(0) ADAPTIVESPEC_QK(1) ADAPTIVESPEC_QK(2) ADAPTIVESPEC_QK(3) ADAPTIVESPEC_QK(4) ADAPTIVESPEC_QK(5)
     ADAPTIVESPEC_QK(6) ADAPTIVESPEC_QK(7) ADAPTIVESPEC_QK(8) ADAPTIVESPEC_QK(9) ADAPTIVESPEC_QK(10) ADAPTIVESPEC_QK(11)
     ADAPTIVESPEC_QK(12) ADAPTIVESPEC_QK(13) ADAPTIVESPEC_QK(14) ADAPTIVESPEC_QK(15)
@@ -128,7 +135,7 @@ inline void tile_block(Tile<D>& T, const uint16_t* k, int64_t lk, const uint32_t
     for (int j2 = 0; j2 < KJ / 2; ++j2) {
       const __m512bh p = (__m512bh)_mm512_load_si512(pp[j2]);
       const uint32_t* vr = vp + j2 * D + d0;
-#define ADAPTIVESPEC_PV(c) a##c = _mm512_dpbf16_ps(a##c, p, (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[c])));
+#define ADAPTIVESPEC_PV(c) a##c = dp_bcast(a##c, p, vr + (c));
       ADAPTIVESPEC_PV(0) ADAPTIVESPEC_PV(1) ADAPTIVESPEC_PV(2) ADAPTIVESPEC_PV(3) ADAPTIVESPEC_PV(4) ADAPTIVESPEC_PV(5)
       ADAPTIVESPEC_PV(6) ADAPTIVESPEC_PV(7) ADAPTIVESPEC_PV(8) ADAPTIVESPEC_PV(9) ADAPTIVESPEC_PV(10)
       ADAPTIVESPEC_PV(11) ADAPTIVESPEC_PV(12) ADAPTIVESPEC_PV(13) ADAPTIVESPEC_PV(14) ADAPTIVESPEC_PV(15)
@@ -193,32 +200,60 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
                      vpack.get() + t * blk_words);
     }
   });
-  at::parallel_for(0, tile0.back(), 1, [&](int64_t b, int64_t e) {
+  // few tiles (a plain step, a small tree): each tile's keys cut into `parts` ranges run as tasks of
+  // their own (flash-decoding), merged after by their maxima and sums, so that every thread has work
+  const int64_t base = tile0.back(), threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (const Seq& sq : seqs) longest = std::max(longest, (sq.S + KJ - 1) / KJ);
+  int64_t parts = 1;
+  if (base < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + base - 1) / base, longest / 16));
+  std::vector<float> pm, pl, pacc;
+  if (parts > 1) {
+    pm.resize(base * parts * L), pl.resize(base * parts * L), pacc.resize(base * parts * D * L);
+  }
+  auto tile_rows = [&](int64_t tile, Tile<D>& T, int64_t& full, int64_t& last) {  // the tile's pairs, empty state
+    const size_t si = seq_of(tile0, tile);
+    const Seq& sq = seqs[si];
+    const int64_t local = tile - tile0[si], kv = local / tiles[si], pairs = sq.n * g;
+    const int64_t a0 = (local % tiles[si]) * L, a1 = std::min(pairs, a0 + L);
+    T.np = static_cast<int>(a1 - a0);
+    full = sq.S, last = 0;
+    for (int lane = 0; lane < L; ++lane) {
+      const int64_t a = a0 + std::min<int64_t>(lane, T.np - 1);  // idle lanes repeat the last pair
+      const int64_t i = a / g, hh = a % g;
+      T.row[lane] = static_cast<int>(i);
+      T.head[lane] = static_cast<int>(kv * g + hh);
+      const uint32_t* qr = reinterpret_cast<const uint32_t*>(qptr + (sq.row0 + i) * qs0 + (kv * g + hh) * qs1);
+      for (int d2 = 0; d2 < D / 2; ++d2) T.qp[d2][lane] = qr[d2];
+      T.m[lane] = -1e30f;
+      T.l[lane] = 0.f;
+      for (int d = 0; d < D; ++d) T.acc[d][lane] = 0.f;
+      full = std::min(full, sq.mask ? sq.past : sq.reach(i));
+      last = std::max(last, sq.reach(i));
+    }
+    return si;
+  };
+  auto write = [&](const Seq& sq, const Tile<D>& T, const float* m, const float* l, const float* acc) {
+    for (int lane = 0; lane < T.np; ++lane) {
+      uint16_t* o = op + (sq.row0 + T.row[lane]) * ldo + T.head[lane] * D;
+      const float inv = l[lane] > 0.f ? 1.0f / l[lane] : 0.f;
+      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(acc[d * L + lane] * inv).x;
+    }
+    (void)m;
+  };
+  at::parallel_for(0, base * parts, 1, [&](int64_t b, int64_t e) {
     auto T = std::make_unique<Tile<D>>();
     alignas(64) uint16_t lanes[KJ];
     for (int64_t t = b; t < e; ++t) {
-      const size_t si = seq_of(tile0, t);
+      const int64_t tile = t / parts, part = t % parts;
+      int64_t full, last;
+      const size_t si = tile_rows(tile, *T, full, last);
       const Seq& sq = seqs[si];
-      const int64_t local = t - tile0[si], nblk = (sq.S + KJ - 1) / KJ;
-      const int64_t kv = local / tiles[si], pairs = sq.n * g;
-      const int64_t a0 = (local % tiles[si]) * L, a1 = std::min(pairs, a0 + L);
-      T->np = static_cast<int>(a1 - a0);
-      int64_t full = sq.S, last = 0;
-      for (int lane = 0; lane < L; ++lane) {
-        const int64_t a = a0 + std::min<int64_t>(lane, T->np - 1);  // idle lanes repeat the last pair
-        const int64_t i = a / g, hh = a % g;
-        T->row[lane] = static_cast<int>(i);
-        T->head[lane] = static_cast<int>(kv * g + hh);
-        const uint32_t* qr = reinterpret_cast<const uint32_t*>(qptr + (sq.row0 + i) * qs0 + (kv * g + hh) * qs1);
-        for (int d2 = 0; d2 < D / 2; ++d2) T->qp[d2][lane] = qr[d2];
-        T->m[lane] = -1e30f;
-        T->l[lane] = 0.f;
-        for (int d = 0; d < D; ++d) T->acc[d][lane] = 0.f;
-        full = std::min(full, sq.mask ? sq.past : sq.reach(i));
-        last = std::max(last, sq.reach(i));
-      }
+      const int64_t nblk = (sq.S + KJ - 1) / KJ, kv = (tile - tile0[si]) / tiles[si];
       const uint32_t* vseq = vpack.get() + (blk0[si] + kv * nblk) * blk_words;
-      for (int64_t blk = 0, last_blk = (last + KJ - 1) / KJ; blk < last_blk; ++blk) {
+      const int64_t last_blk = (last + KJ - 1) / KJ;
+      const int64_t begin = last_blk * part / parts, end = last_blk * (part + 1) / parts;
+      for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t j0 = blk * KJ;
         const int nb = static_cast<int>(std::min<int64_t>(KJ, sq.S - j0));
         const uint16_t* lp = nullptr;
@@ -234,12 +269,38 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
         }
         tile_block<D>(*T, sq.kb + kv * sq.ks0 + j0 * sq.ks1, sq.ks1, vseq + blk * blk_words, nb, lp, scale);
       }
-      alignas(64) float inv[L];
-      for (int lane = 0; lane < L; ++lane) inv[lane] = T->l[lane] > 0.f ? 1.0f / T->l[lane] : 0.f;
-      for (int lane = 0; lane < T->np; ++lane) {
-        uint16_t* o = op + (sq.row0 + T->row[lane]) * ldo + T->head[lane] * D;
-        for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(T->acc[d][lane] * inv[lane]).x;
+      if (parts == 1) {
+        write(sq, *T, T->m, T->l, &T->acc[0][0]);
+      } else {
+        std::memcpy(pm.data() + t * L, T->m, sizeof(float) * L);
+        std::memcpy(pl.data() + t * L, T->l, sizeof(float) * L);
+        std::memcpy(pacc.data() + t * D * L, &T->acc[0][0], sizeof(float) * D * L);
       }
+    }
+  });
+  if (parts == 1) return;
+  at::parallel_for(0, base, 1, [&](int64_t b, int64_t e) {  // merge each tile's parts
+    auto T = std::make_unique<Tile<D>>();
+    std::vector<float> acc(D * L);
+    for (int64_t tile = b; tile < e; ++tile) {
+      int64_t full, last;
+      const Seq& sq = seqs[tile_rows(tile, *T, full, last)];
+      alignas(64) float M[L], l[L];
+      for (int lane = 0; lane < L; ++lane) {
+        M[lane] = -1e30f;
+        for (int64_t p = 0; p < parts; ++p) M[lane] = std::max(M[lane], pm[(tile * parts + p) * L + lane]);
+        l[lane] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t t = tile * parts + p;
+        for (int lane = 0; lane < L; ++lane) {
+          const float w = std::exp(pm[t * L + lane] - M[lane]);
+          l[lane] += pl[t * L + lane] * w;
+          for (int d = 0; d < D; ++d) acc[d * L + lane] += pacc[(t * D + d) * L + lane] * w;
+        }
+      }
+      write(sq, *T, M, l, acc.data());
     }
   });
 }
