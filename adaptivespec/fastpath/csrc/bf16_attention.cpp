@@ -200,13 +200,23 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
                      vpack.get() + t * blk_words);
     }
   });
-  // few tiles (a plain step, a small tree): each tile's keys cut into `parts` ranges run as tasks of
-  // their own (flash-decoding), merged after by their maxima and sums, so that every thread has work
+  // Tasks: a group of up to GT tiles of one (sequence, KV head) walks the keys block by block, every
+  // tile of the group reading the block while it is in L1 (at long context the keys and values come
+  // from memory: each read once per group, not once per tile). Where there are few groups (a plain
+  // step, a small tree) each group's keys are also cut into `parts` ranges run as tasks of their own
+  // (flash-decoding), merged after by their maxima and sums, so that every thread has work.
+  constexpr int64_t GT = 4;
   const int64_t base = tile0.back(), threads = at::get_num_threads();
+  std::vector<int64_t> grp0(seqs.size() + 1, 0), groups(seqs.size());
   int64_t longest = 0;
-  for (const Seq& sq : seqs) longest = std::max(longest, (sq.S + KJ - 1) / KJ);
+  for (size_t q = 0; q < seqs.size(); ++q) {
+    groups[q] = (tiles[q] + GT - 1) / GT;
+    grp0[q + 1] = grp0[q] + Hkv * groups[q];
+    longest = std::max(longest, (seqs[q].S + KJ - 1) / KJ);
+  }
+  const int64_t ngroups = grp0.back();
   int64_t parts = 1;
-  if (base < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + base - 1) / base, longest / 16));
+  if (ngroups < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + ngroups - 1) / ngroups, longest / 16));
   std::vector<float> pm, pl, pacc;
   if (parts > 1) {
     pm.resize(base * parts * L), pl.resize(base * parts * L), pacc.resize(base * parts * D * L);
@@ -233,48 +243,63 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
     }
     return si;
   };
-  auto write = [&](const Seq& sq, const Tile<D>& T, const float* m, const float* l, const float* acc) {
+  auto write = [&](const Seq& sq, const Tile<D>& T, const float* l, const float* acc) {
     for (int lane = 0; lane < T.np; ++lane) {
       uint16_t* o = op + (sq.row0 + T.row[lane]) * ldo + T.head[lane] * D;
       const float inv = l[lane] > 0.f ? 1.0f / l[lane] : 0.f;
       for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(acc[d * L + lane] * inv).x;
     }
-    (void)m;
   };
-  at::parallel_for(0, base * parts, 1, [&](int64_t b, int64_t e) {
-    auto T = std::make_unique<Tile<D>>();
+  at::parallel_for(0, ngroups * parts, 1, [&](int64_t b, int64_t e) {
+    std::vector<std::unique_ptr<Tile<D>>> Ts;
+    for (int i = 0; i < GT; ++i) Ts.push_back(std::make_unique<Tile<D>>());
     alignas(64) uint16_t lanes[KJ];
     for (int64_t t = b; t < e; ++t) {
-      const int64_t tile = t / parts, part = t % parts;
-      int64_t full, last;
-      const size_t si = tile_rows(tile, *T, full, last);
+      const int64_t grp = t / parts, part = t % parts;
+      const size_t si = seq_of(grp0, grp);
       const Seq& sq = seqs[si];
-      const int64_t nblk = (sq.S + KJ - 1) / KJ, kv = (tile - tile0[si]) / tiles[si];
+      const int64_t glocal = grp - grp0[si], kv = glocal / groups[si], first = (glocal % groups[si]) * GT;
+      const int64_t count = std::min(GT, tiles[si] - first);
+      int64_t full[GT], last[GT], group_last = 0;
+      for (int64_t c = 0; c < count; ++c) {
+        tile_rows(tile0[si] + kv * tiles[si] + first + c, *Ts[c], full[c], last[c]);
+        group_last = std::max(group_last, last[c]);
+      }
+      const int64_t nblk = (sq.S + KJ - 1) / KJ;
       const uint32_t* vseq = vpack.get() + (blk0[si] + kv * nblk) * blk_words;
-      const int64_t last_blk = (last + KJ - 1) / KJ;
+      const int64_t last_blk = (group_last + KJ - 1) / KJ;
       const int64_t begin = last_blk * part / parts, end = last_blk * (part + 1) / parts;
       for (int64_t blk = begin; blk < end; ++blk) {
         const int64_t j0 = blk * KJ;
         const int nb = static_cast<int>(std::min<int64_t>(KJ, sq.S - j0));
-        const uint16_t* lp = nullptr;
-        if (j0 + KJ > full) {  // the edge: each key's lanes that see it
-          for (int jj = 0; jj < KJ; ++jj) {
-            uint16_t bits = 0;
-            if (jj < nb)
-              for (int lane = 0; lane < L; ++lane)
-                if (sq.visible(T->row[lane], j0 + jj)) bits |= static_cast<uint16_t>(1u << lane);
-            lanes[jj] = bits;
+        const uint16_t* kblk = sq.kb + kv * sq.ks0 + j0 * sq.ks1;
+        for (int64_t c = 0; c < count; ++c) {
+          Tile<D>& T = *Ts[c];
+          if (j0 >= last[c]) continue;  // past every key this tile's rows see
+          const uint16_t* lp = nullptr;
+          if (j0 + KJ > full[c]) {  // the edge: each key's lanes that see it
+            for (int jj = 0; jj < KJ; ++jj) {
+              uint16_t bits = 0;
+              if (jj < nb)
+                for (int lane = 0; lane < L; ++lane)
+                  if (sq.visible(T.row[lane], j0 + jj)) bits |= static_cast<uint16_t>(1u << lane);
+              lanes[jj] = bits;
+            }
+            lp = lanes;
           }
-          lp = lanes;
+          tile_block<D>(T, kblk, sq.ks1, vseq + blk * blk_words, nb, lp, scale);
         }
-        tile_block<D>(*T, sq.kb + kv * sq.ks0 + j0 * sq.ks1, sq.ks1, vseq + blk * blk_words, nb, lp, scale);
       }
-      if (parts == 1) {
-        write(sq, *T, T->m, T->l, &T->acc[0][0]);
-      } else {
-        std::memcpy(pm.data() + t * L, T->m, sizeof(float) * L);
-        std::memcpy(pl.data() + t * L, T->l, sizeof(float) * L);
-        std::memcpy(pacc.data() + t * D * L, &T->acc[0][0], sizeof(float) * D * L);
+      for (int64_t c = 0; c < count; ++c) {
+        const Tile<D>& T = *Ts[c];
+        const int64_t tile = tile0[si] + kv * tiles[si] + first + c, slot = tile * parts + part;
+        if (parts == 1) {
+          write(sq, T, T.l, &T.acc[0][0]);
+        } else {
+          std::memcpy(pm.data() + slot * L, T.m, sizeof(float) * L);
+          std::memcpy(pl.data() + slot * L, T.l, sizeof(float) * L);
+          std::memcpy(pacc.data() + slot * D * L, &T.acc[0][0], sizeof(float) * D * L);
+        }
       }
     }
   });
@@ -300,7 +325,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
           for (int d = 0; d < D; ++d) acc[d * L + lane] += pacc[(t * D + d) * L + lane] * w;
         }
       }
-      write(sq, *T, M, l, acc.data());
+      write(sq, *T, l, acc.data());
     }
   });
 }
