@@ -198,15 +198,40 @@ class Constraint:
         rows[~rows.any(-1)] = -1  # unreachable or final nodes: nothing masked (see above)
         return rows
 
-    def mask_tree(self, tree, logits: torch.Tensor) -> torch.Tensor:
-        """Mask the target's ``logits`` [n, V] over ``tree`` in place (one bitmask for all nodes)."""
+    def mask_tree(self, tree, logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Mask the target's ``logits`` [n, V] over ``tree`` in place (one bitmask for all nodes;
+        ``rows``: the tree's bitmask when already computed, :meth:`allowed`)."""
         t0 = time.perf_counter()
-        parents, tokens = torch.stack([tree.parents, tree.tokens]).tolist()
-        rows = self.tree_masks(parents, tokens)
+        if rows is None:
+            parents, tokens = torch.stack([tree.parents, tree.tokens]).tolist()
+            rows = self.tree_masks(parents, tokens)
         self._apply(logits, rows)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_calls += 1
         return logits
+
+    def allowed(self, tree) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The nodes of ``tree`` the grammar allows, and their bitmask rows (for :meth:`mask_tree`).
+
+        A node whose token, or an ancestor's, the grammar forbids can never be accepted (p = 0 at its
+        parent under any verifier): verifying it costs a row and gains nothing. Returns (``keep``, the
+        sorted indices of the other nodes, the root among them and closed under ancestors, or None
+        when every node is allowed; the bitmask rows [len(keep) or n, ceil(V / 32)] of the kept nodes,
+        each its node's own mask, as :meth:`tree_masks` computes them). One walk of the tree."""
+        t0 = time.perf_counter()
+        parents, tokens = torch.stack([tree.parents, tree.tokens]).tolist()
+        rows = self.tree_masks(parents, tokens).clone()
+        keep = None
+        if len(parents) > 1:
+            tok, par = tree.tokens[1:].cpu(), tree.parents[1:].cpu()
+            legal = torch.ones(len(parents), dtype=torch.bool)
+            legal[1:] = ((rows[par, tok // 32] >> (tok % 32)) & 1).bool()  # the token's bit in its parent's mask
+            ok = ~(tree.ancestors.cpu() & ~legal).any(-1)  # the whole root path allowed
+            if not bool(ok.all()):
+                keep = ok.nonzero().squeeze(1)
+                rows = rows[keep]
+        self.mask_seconds += time.perf_counter() - t0
+        return (keep.to(tree.tokens.device) if keep is not None else None), rows
 
     # -- forced continuation (the ``grammar`` candidate source) ---------------------------------
     def forced_string(self) -> str:

@@ -28,6 +28,7 @@ from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
 from adaptivespec.sampling import Sampler
+from adaptivespec.tree import subtree
 from adaptivespec.types import StepRecord, VerifyResult
 
 _MODELS: dict[tuple, Any] = {}
@@ -223,6 +224,7 @@ class Engine:
         self.logprobs, self._on_logprobs, self.token_logprobs = logprobs, on_logprobs, []
         self.runtime.keep_logits = logprobs is not None
         self.last_rows = None
+        self._masks = None  # (the tree cut by grammar_cut, its nodes' bitmask rows) until verify reads them
 
     def take(self, out: list[int], tokens: list[int], limit: int, on_tokens=None, rows: torch.Tensor | None = None) -> bool:
         """Append ``tokens`` to ``out`` up to a stop id (an EOS or the request's, inclusive), the
@@ -251,6 +253,20 @@ class Engine:
             self.finish_reason = "length"
         return self.finish_reason is not None
 
+    def grammar_cut(self, tree):
+        """``tree`` without the nodes the response format forbids (their token or an ancestor's: never
+        acceptable, p = 0 under any verifier), and the kept nodes' indices in ``tree`` (None when
+        none was cut, or without a format). The grammar's masks of the kept nodes are computed here,
+        once, and :meth:`verify` applies them to the same tree. Call it just before the verify forward."""
+        self._masks = None
+        if self.constraint is None or tree.size <= 1:
+            return tree, None
+        keep, rows = self.constraint.allowed(tree)
+        if keep is not None:
+            tree = subtree(tree, keep)
+        self._masks = (tree, rows)
+        return tree, keep
+
     def verify(self, tree, logits: torch.Tensor, position: int) -> VerifyResult:
         """The verifier's rule over ``tree``'s rows of target ``logits`` [n, V], the root row's token
         being sequence position ``position``'s: logits processing first (with a response format,
@@ -260,7 +276,9 @@ class Engine:
         came from (before the masks), for :meth:`take`."""
         raw = logits.clone() if self.logprobs is not None and self.constraint is not None else logits
         if self.constraint is not None:  # (its time: other_ms, and stats["mask_ms_per_step"])
-            self.constraint.mask_tree(tree, logits)
+            cut, rows = self._masks if self._masks is not None else (None, None)
+            self._masks = None
+            self.constraint.mask_tree(tree, logits, rows if cut is tree else None)
         if self.sampler is not None:
             self.sampler.at(position)
         result = self.verifier.verify(tree, logits)
@@ -375,7 +393,7 @@ class Engine:
         signals = proposer.signals(step, last_accepted)
         shape = policy.next_shape(signals)
         proposal = proposer.propose(shape)
-        tree = proposal.tree
+        tree, keep = self.grammar_cut(proposal.tree)  # (a response format: what it forbids is not verified)
         t_draft = time.perf_counter()
         # 2. verify: one target forward over the tree (logits [n, V], one row per node), then the
         #    verifier's rule (logits processing between the two: :meth:`verify`)
@@ -388,7 +406,7 @@ class Engine:
         if not done:
             rt.commit(tree, result, hidden)
         # 4. observe: the policy and the proposers see what was emitted and accepted
-        by_source = self.learn(proposal, tree, result, out[n_before:])
+        by_source = self.learn(proposal, tree, result, out[n_before:], None if keep is None else keep[result.path].tolist())
         t_end = time.perf_counter()
         record = StepRecord(
             step=step,

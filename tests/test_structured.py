@@ -224,6 +224,28 @@ def test_forced_tokens_follow_the_grammar(backend):
 
 
 # -- the real model, float32: constrained speculation == constrained plain decoding ---------------------
+def test_allowed_keeps_the_nodes_whose_whole_path_the_grammar_allows(backend):
+    """'x' below the root and '{"' below '{' are forbidden: cut; '"' below '{' and 'name' below it are
+    allowed: kept; the kept nodes' rows are their own tree_masks rows."""
+    from adaptivespec.tree import make_tree
+
+    fmt = ResponseFormat(type="json_schema", schema=SCHEMA)
+    c = backend.constraint(fmt)
+    tokens, parents = _legal_tree(backend)
+    tree = make_tree(torch.tensor(tokens), torch.tensor(parents))
+    full = c.tree_masks(parents, tokens).clone()
+    keep, rows = c.allowed(tree)
+    assert keep.tolist() == [0, 1, 3, 5]  # 'x' (2) and '{"' (4) cut; '"' (3) and 'name' below it (5) kept
+    assert torch.equal(rows, full[keep])
+    below_x = make_tree(torch.tensor(tokens + [tokens[3]]), torch.tensor(parents + [2]))  # a child of the cut 'x'
+    keep2, _ = c.allowed(below_x)
+    assert 6 not in keep2.tolist()  # a node below a forbidden one goes with it
+    legal = make_tree(torch.tensor([0, tokens[1], tokens[3]]), torch.tensor([-1, 0, 1]))
+    none, rows3 = c.allowed(legal)
+    assert none is None and rows3.shape[0] == 3  # nothing forbidden: nothing cut, every row returned
+    assert c.forced_string() == "{\"name\": \""  # the matcher stayed where it was
+
+
 def _engine(config: str, *overrides):
     from adaptivespec.decode import Engine
 
@@ -277,6 +299,31 @@ def test_constrained_speculation_equals_constrained_ar(config, constrained_ar):
     assert res.token_ids == ref.token_ids
     by = res.stats["accepted_by_source"]
     assert by["grammar"] > 5, by  # the forced keys and punctuation were drafted by the grammar
+
+
+@pytest.mark.model
+@pytest.mark.model
+def test_forbidden_drafted_nodes_are_not_verified(constrained_ar, monkeypatch):
+    """hybrid drafts without the grammar (its head and retrieval do not know it): the nodes the
+    grammar forbids are cut before the verify forward, so no verified row carries a forbidden
+    token, some steps verify fewer rows than were drafted, and the output is constrained ar's."""
+    from adaptivespec.decode import Engine
+
+    ids, ref = constrained_ar
+    engine = _engine("hybrid.yaml", FORMAT, "generation.grammar_draft=false")
+    cuts, real = [], Engine.grammar_cut
+
+    def spy(self, tree):
+        out, keep = real(self, tree)
+        cuts.append((tree.size, out.size))
+        return out, keep
+
+    monkeypatch.setattr(Engine, "grammar_cut", spy)
+    res = engine.generate_ids(ids, max_new_tokens=64)
+    assert res.token_ids == ref.token_ids
+    assert any(after < before for before, after in cuts), cuts  # this prompt's drafts do break the schema
+    assert [r.tree_size for r in res.records if r.undrafted is None] == [after for _, after in cuts][: len(
+        [r for r in res.records if r.undrafted is None])]
 
 
 @pytest.mark.model

@@ -179,6 +179,11 @@ class BatchEngine:
         choice = None
         if self.budget is not None and items:
             choice = self.budget.cut(items, plan.rows, len(plan.chunks), self._context(items), draft_ms)
+        for it in items:  # a response format: what it forbids is not verified (the lane's engine, as alone)
+            if it.proposal is not None:
+                it.tree, cut = it.request.lane.engine.grammar_cut(it.tree)
+                if cut is not None:
+                    it.keep = cut if it.keep is None else it.keep[cut]
         t_budget = time.perf_counter()
         # 3. verify: one packed target forward over the prompt chunks and the trees
         first_logits, logits, fused = self.runner.forward(plan.chunks, items)
