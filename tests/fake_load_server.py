@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 LOCK = threading.Lock()
-STATE = {"pid": os.getpid(), "in_flight": 0, "max_in_flight": 0, "served": 0, "paths": {}, "flushes": 0}
+STATE = {"pid": os.getpid(), "in_flight": 0, "max_in_flight": 0, "served": 0, "paths": {}, "flushes": 0,
+         "formats": 0}
 
 
 def save() -> None:
@@ -71,6 +72,8 @@ class Handler(BaseHTTPRequestHandler):
             STATE["in_flight"] += 1
             STATE["max_in_flight"] = max(STATE["max_in_flight"], STATE["in_flight"])
             STATE["paths"][self.path] = STATE["paths"].get(self.path, 0) + 1
+            sp = body.get("sampling_params") or {}
+            STATE["formats"] += bool(body.get("response_format") or body.get("json_schema") or sp.get("json_schema"))
         fail_after = int(os.environ.get("FAKE_LOAD_FAIL_AFTER") or 0)
         if fail_after and n_served > fail_after:
             self.done()

@@ -250,6 +250,23 @@ def test_a_load_run_measures_every_served_contender_at_every_level(fakes, tmp_pa
     assert (out / "load.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_structured_prompts_are_sent_with_their_own_response_format(fakes, tmp_path, capsys):
+    """--dataset structured under load: every request to every server carries its prompt's JSON schema
+    (ours as response_format, SGLang's as its json_schema sampling parameter, llama-server's as json_schema)."""
+    folder, llama = fakes
+    out = tmp_path / "run"
+    rc = main(["bench", "--served-configs", HYBRID, "--peers", "sglang", "--llama-server", llama, "--dataset",
+               "structured", "--limit", "2", "--max-new-tokens", "4", "--concurrency", "1", "--out", str(out),
+               "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    servers = _servers(folder)
+    assert len(servers) == 3 and all(s["formats"] == s["served"] > 0 for s in servers), servers
+    res = json.loads((out / "load.json").read_text())
+    assert res["meta"]["constrained"] == res["meta"]["prompts"] == 2
+    assert "constrained by its prompt's own response format" in (out / "load.md").read_text()
+
+
 def test_a_failing_server_stops_the_run_with_one_line_and_every_server(fakes, tmp_path, monkeypatch, capsys):
     folder, llama = fakes
     monkeypatch.setenv("FAKE_LOAD_FAIL_AFTER", "3")  # its timed pass's second request

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from adaptivespec import __version__
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation import load
+from adaptivespec.evaluation.contenders import response_format_of
 from adaptivespec.evaluation.datasets import Problem
 from adaptivespec.evaluation.load_contenders import CONTEXT_MARGIN, build_load_contenders, find_llama_server
 from adaptivespec.evaluation.plots import concurrency
@@ -103,7 +104,8 @@ def run_load(spec: BenchSpec, problems: list[Problem], out: str | Path, levels: 
                 f"{n}: {skipped[n]}" for n in names) + ")")
         results["contenders"] = {n: c.describe() for n, c in contenders.items()}
         ids = {n: [c.encode(p.prompt) for p in problems] for n, c in contenders.items()}
-        _run(results, contenders, ids, spec.max_new_tokens, levels, out, progress)
+        formats = [response_format_of(p) for p in problems]  # a structured prompt's own format (None: free text)
+        _run(results, contenders, ids, spec.max_new_tokens, levels, out, progress, formats)
     finally:
         for c in contenders.values():
             c.close()
@@ -119,7 +121,7 @@ def _context(spec: BenchSpec, problems: list[Problem]) -> int:
     return max(len(enc.encode(p.prompt)) for p in problems) + spec.max_new_tokens + CONTEXT_MARGIN
 
 
-def _run(results, contenders, ids, max_new: int, levels, out: Path, progress: bool) -> None:
+def _run(results, contenders, ids, max_new: int, levels, out: Path, progress: bool, formats=None) -> None:
     turns = load.schedule(list(contenders), levels)
     prompts = len(next(iter(ids.values())))
     bar = tqdm(total=len(turns), desc="bench load", unit="turn", file=sys.stderr, dynamic_ncols=True,
@@ -132,10 +134,11 @@ def _run(results, contenders, ids, max_new: int, levels, out: Path, progress: bo
             try:
                 lc.reset()
                 warm = min(WARMUP_TOKENS, max_new)
-                load.run_level(lambda k, lc=lc, pids=pids: lc.send(pids[k], warm, k), prompts, c)
+                fmt = formats or [None] * prompts
+                load.run_level(lambda k, lc=lc, pids=pids: lc.send(pids[k], warm, k, fmt[k]), prompts, c)
                 lc.reset()
                 replies, start = load.run_level(
-                    lambda k, lc=lc, pids=pids: lc.send(pids[k], max_new, k), prompts, c,
+                    lambda k, lc=lc, pids=pids: lc.send(pids[k], max_new, k, fmt[k]), prompts, c,
                     on_answer=lambda n, name=name, c=c: bar.set_postfix_str(f"{name} at {c}: {n} answered",
                                                                             refresh=False))
             finally:
@@ -160,6 +163,7 @@ def _meta(spec: BenchSpec, problems: list[Problem], levels, command: str) -> dic
         "max_new_tokens": spec.max_new_tokens,
         "levels": list(levels),
         "sampling": "greedy",
+        "constrained": sum(p.meta.get("response_format") is not None for p in problems),
         "warmup_tokens": WARMUP_TOKENS,
         "order": ORDER,
         "window": WINDOW,
@@ -183,7 +187,9 @@ def markdown(results: dict[str, Any]) -> str:
     cpu = meta["machine"].get("cpu", "")
     lines = [f"# Under load: {meta['dataset']}, {meta['prompts']} prompts, max {meta['max_new_tokens']} new tokens, "
              f"greedy ({cpu}, {meta['date']})", "",
-             "Each cell: total tok/s / per-request tok/s / inter-token latency p50 (ms).", "",
+             "Each cell: total tok/s / per-request tok/s / inter-token latency p50 (ms)."
+             + (f" Every request constrained by its prompt's own response format ({meta['constrained']} of "
+                f"{meta['prompts']} prompts have one)." if meta.get("constrained") else ""), "",
              "| contender | " + " | ".join(f"{c} in flight" for c in levels) + " |",
              "|---|" + "---:|" * len(levels)]
     for name in results["contenders"]:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from adaptivespec.config import Config
+from adaptivespec.constraints import openai_response_format, sglang_sampling_params
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.load import Stream, chunk_tokens, post_stream
 from adaptivespec.evaluation.served_contenders import TorchServedContender
@@ -84,6 +85,14 @@ class Reply:
                       cached_tokens=self.cached_tokens)
 
 
+def served_format(fmt) -> dict[str, Any]:
+    """The request fields of ``fmt`` for ``adaptivespec serve``'s OpenAI endpoints: ``response_format``
+    (JSON schema, any JSON object) or the ``regex`` / ``ebnf`` extra fields."""
+    if fmt.type in ("json_schema", "json_object"):
+        return {"response_format": openai_response_format(fmt)}
+    return sglang_sampling_params(fmt)
+
+
 class LoadContender:
     """The interface :mod:`adaptivespec.evaluation.load_bench` drives; subclasses say how to ask."""
 
@@ -107,7 +116,9 @@ class LoadContender:
     def reset(self) -> None:
         """Forget what earlier requests left (a prefix cache) before a pass; nothing by default."""
 
-    def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
+    def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
+        """One streamed request (``response_format``: the prompt's own format, a
+        :class:`~adaptivespec.response_format.ResponseFormat`, or None for free text)."""
         raise NotImplementedError
 
     def count(self, reply: Reply) -> Stream:
@@ -145,8 +156,10 @@ class TorchLoad(LoadContender):
     def reset(self) -> None:
         self.server.flush_cache()  # the prefix cache (batch.prefix_cache_mb), as SGLang's radix cache
 
-    def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
+    def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"prompt": list(ids), "max_tokens": max_new_tokens, "stream": True, "temperature": 0.0}
+        if response_format is not None:
+            body.update(served_format(response_format))
         reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.served.port, "/v1/completions", body)):
             text = (obj.get("choices") or [{}])[0].get("text") or ""
@@ -185,9 +198,11 @@ class SGLangLoad(LoadContender):
     def reset(self) -> None:
         self.server.flush_cache()
 
-    def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
+    def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"input_ids": list(ids), "stream": True,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **self.ignore_eos()}}
+        if response_format is not None:  # SGLang's own constrained decoding (xgrammar)
+            body["sampling_params"].update(sglang_sampling_params(response_format))
         reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.server.port, "/generate", body)):
             meta = obj.get("meta_info") or {}
@@ -226,9 +241,14 @@ class LlamaServerLoad(ConfigPrompts, LoadContender):
             self.server.stop()
             raise
 
-    def send(self, ids: list[int], max_new_tokens: int, prompt: int) -> Reply:
+    def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"prompt": list(ids), "n_predict": max_new_tokens, "stream": True, "temperature": 0.0,
                 "return_tokens": True, **self.ignore_eos()}
+        if response_format is not None:
+            if response_format.type not in ("json_schema", "json_object"):
+                raise AdaptiveSpecError(f"llama-server: a {response_format.type} response format has no llama-server "
+                                        "form here (JSON schemas only)")
+            body["json_schema"] = response_format.schema if response_format.type == "json_schema" else {}
         reply = Reply(prompt=prompt, sent=time.perf_counter())
         seen = 0
         for t, obj in _named(self.name, post_stream(self.server.port, "/completion", body)):

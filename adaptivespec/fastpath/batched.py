@@ -501,7 +501,7 @@ def packed_draft_step(drafter, tokens: torch.Tensor, states: torch.Tensor, posit
         kernel = fast.kernel if fast is not None else None
         if kernel is not None:  # as FastEagle3.step: the bf16 kernel, prompt unmasked, levels under the mask
             past = keys.shape[-2] - (e - s)
-            plan = AttentionPlan.of(e - s, past, mask, heads // kp.shape[1], qp.device, kernel=kernel)
+            plan = AttentionPlan.of(e - s, past, p.mask, heads // kp.shape[1], qp.device, kernel=kernel)  # None: causal
             attn[s:e] = plan.attend_rows(qp, keys, values, past, None)
         else:
             folded = _fold_mask(mask, e - s, heads // kp.shape[1], keys.shape[-2])  # as FastEagle3.step
