@@ -322,3 +322,24 @@ def sglang_sampling_params(fmt: ResponseFormat) -> dict[str, str]:
     if fmt.type == "regex":
         return {"regex": fmt.pattern}
     return {"ebnf": fmt.grammar}
+
+
+def served_format(fmt: ResponseFormat | None) -> dict[str, Any]:
+    """The request fields of ``fmt`` for ``adaptivespec serve``'s OpenAI endpoints: ``response_format``
+    (JSON schema, any JSON object) or the ``regex`` / ``ebnf`` extra fields; none for None."""
+    if fmt is None:
+        return {}
+    if fmt.type in ("json_schema", "json_object"):
+        return {"response_format": openai_response_format(fmt)}
+    return sglang_sampling_params(fmt)
+
+
+def llama_server_format(fmt: ResponseFormat | None) -> dict[str, Any]:
+    """The request field of ``fmt`` for llama.cpp's ``llama-server`` (``/completion``'s ``json_schema``;
+    JSON schemas and any JSON object only: its GBNF grammars are not EBNF, and it has no regex)."""
+    if fmt is None:
+        return {}
+    if fmt.type not in ("json_schema", "json_object"):
+        raise ResponseFormatError(f"llama-server: a {fmt.type} response format has no llama-server form here "
+                                  "(JSON schemas only)")
+    return {"json_schema": fmt.schema if fmt.type == "json_schema" else {}}

@@ -3,22 +3,19 @@ once, keeps up across the levels (paused with SIGSTOP between their turns, as in
 bench) and stops by their process group at the end, read as streams by
 :func:`adaptivespec.evaluation.load.run_level`.
 
-* a served config (``--served-configs``): ``adaptivespec serve --runtime torch`` through
-  :class:`~adaptivespec.evaluation.served_contenders.TorchServedContender`, asked
-  ``POST /v1/completions``; its chunks carry text only, so each chunk's tokens are counted by
-  re-tokenizing the streamed text (after the level, off the clock; the last chunk takes what the
-  server's ``usage.completion_tokens`` leaves). ``--parallel <highest level>`` where ``serve``
-  has that flag (:func:`serve_accepts`), ``--queue-size`` at least the highest level;
-* an SGLang peer (``--peers sglang,sglang-eagle3,...``) through
-  :class:`~adaptivespec.evaluation.sglang_contenders.SGLangContender`, asked its native
-  ``POST /generate`` streamed; each chunk's ``meta_info.completion_tokens`` is the running count.
+* a served config (``--served-configs``): ``adaptivespec serve --runtime torch`` (``TorchServedContender``),
+  ``POST /v1/completions``; its chunks carry text, so their tokens are counted by re-tokenizing it (after
+  the level; the last chunk takes what ``usage.completion_tokens`` leaves). ``--parallel <highest
+  level>`` where ``serve`` has that flag (:func:`serve_accepts`), ``--queue-size`` at least that;
+* an SGLang peer (``--peers sglang,sglang-eagle3,...``, ``SGLangContender``), its native ``POST /generate``
+  streamed; each chunk's ``meta_info.completion_tokens`` is the running count.
   Its KV pool (``--max-total-tokens``) is sized for every level's requests at once; the prefix
   cache is flushed before each pass;
-* ``llama-server`` (llama.cpp), where a binary is found (:func:`find_llama_server`): the target's
-  GGUF with ``--parallel <highest level>`` slots, asked ``POST /completion`` streamed (a chunk per
-  token, or its ``tokens`` where the build sends them).
+* ``llama-server`` (llama.cpp), where a binary is found (:func:`find_llama_server`): the target's GGUF
+  with ``--parallel <highest level>`` slots, ``POST /completion`` streamed (a chunk per token, or its ``tokens``).
 
-Every request is greedy, on the bench's own prompt token ids, ``max_new_tokens`` as given.
+Every request is greedy, on the bench's own prompt token ids, ``max_new_tokens`` as given, a
+structured prompt's ``response_format`` in each server's own form (``adaptivespec.constraints``).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from adaptivespec.config import Config
-from adaptivespec.constraints import openai_response_format, sglang_sampling_params
+from adaptivespec.constraints import llama_server_format, served_format, sglang_sampling_params
 from adaptivespec.errors import AdaptiveSpecError
 from adaptivespec.evaluation.load import Stream, chunk_tokens, post_stream
 from adaptivespec.evaluation.served_contenders import TorchServedContender
@@ -44,8 +41,7 @@ from adaptivespec.evaluation.sglang_contenders import (BENCH_KV_TOKENS, MAY_BE_U
                                                        SGLangContender)
 from adaptivespec.server.launch import DEFAULT_QUEUE_SIZE
 
-LLAMA_SERVER_ENV = "ADAPTIVESPEC_LLAMA_SERVER"
-"""The ``llama-server`` binary (else ``--llama-server``, else ``PATH``)."""
+LLAMA_SERVER_ENV = "ADAPTIVESPEC_LLAMA_SERVER"  # the llama-server binary (else --llama-server, else PATH)
 LLAMA_MODEL_ENV = "ADAPTIVESPEC_LLAMA_MODEL"
 """The GGUF ``llama-server`` loads (default: the embedded target's GGUF)."""
 LLAMA_ARGS_ENV = "ADAPTIVESPEC_LLAMA_ARGS"
@@ -85,14 +81,6 @@ class Reply:
                       cached_tokens=self.cached_tokens)
 
 
-def served_format(fmt) -> dict[str, Any]:
-    """The request fields of ``fmt`` for ``adaptivespec serve``'s OpenAI endpoints: ``response_format``
-    (JSON schema, any JSON object) or the ``regex`` / ``ebnf`` extra fields."""
-    if fmt.type in ("json_schema", "json_object"):
-        return {"response_format": openai_response_format(fmt)}
-    return sglang_sampling_params(fmt)
-
-
 class LoadContender:
     """The interface :mod:`adaptivespec.evaluation.load_bench` drives; subclasses say how to ask."""
 
@@ -117,8 +105,6 @@ class LoadContender:
         """Forget what earlier requests left (a prefix cache) before a pass; nothing by default."""
 
     def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
-        """One streamed request (``response_format``: the prompt's own format, a
-        :class:`~adaptivespec.response_format.ResponseFormat`, or None for free text)."""
         raise NotImplementedError
 
     def count(self, reply: Reply) -> Stream:
@@ -158,8 +144,7 @@ class TorchLoad(LoadContender):
 
     def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"prompt": list(ids), "max_tokens": max_new_tokens, "stream": True, "temperature": 0.0}
-        if response_format is not None:
-            body.update(served_format(response_format))
+        body.update(served_format(response_format))
         reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.served.port, "/v1/completions", body)):
             text = (obj.get("choices") or [{}])[0].get("text") or ""
@@ -201,8 +186,7 @@ class SGLangLoad(LoadContender):
     def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"input_ids": list(ids), "stream": True,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, **self.ignore_eos()}}
-        if response_format is not None:  # SGLang's own constrained decoding (xgrammar)
-            body["sampling_params"].update(sglang_sampling_params(response_format))
+        body["sampling_params"].update(sglang_sampling_params(response_format) if response_format else {})
         reply = Reply(prompt=prompt, sent=time.perf_counter(), prompt_tokens=len(ids))
         for t, obj in _named(self.name, post_stream(self.server.port, "/generate", body)):
             meta = obj.get("meta_info") or {}
@@ -244,11 +228,7 @@ class LlamaServerLoad(ConfigPrompts, LoadContender):
     def send(self, ids: list[int], max_new_tokens: int, prompt: int, response_format=None) -> Reply:
         body = {"prompt": list(ids), "n_predict": max_new_tokens, "stream": True, "temperature": 0.0,
                 "return_tokens": True, **self.ignore_eos()}
-        if response_format is not None:
-            if response_format.type not in ("json_schema", "json_object"):
-                raise AdaptiveSpecError(f"llama-server: a {response_format.type} response format has no llama-server "
-                                        "form here (JSON schemas only)")
-            body["json_schema"] = response_format.schema if response_format.type == "json_schema" else {}
+        body.update(llama_server_format(response_format))
         reply = Reply(prompt=prompt, sent=time.perf_counter())
         seen = 0
         for t, obj in _named(self.name, post_stream(self.server.port, "/completion", body)):
