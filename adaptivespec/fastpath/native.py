@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_NATIVE"
@@ -102,6 +103,8 @@ def _build(name: str, source: Path, flags: list[str]):
         where.mkdir(parents=True, exist_ok=True)
         folder = where / name
         folder.mkdir(exist_ok=True)
+        if not any(folder.glob("*.so")) and sys.stderr.isatty():  # the first use on this CPU: say why it pauses
+            print(f"adaptivespec: compiling {source.name} for this CPU (once, ~20 s)", file=sys.stderr, flush=True)
         module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
                           verbose=False)
         return module, None
