@@ -288,16 +288,18 @@ class Eagle3Drafter(nn.Module):
             v[:, :, : self.length] = self._v[:, :, : self.length]
             self._k, self._v = k, v
 
-    def append_kv(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype):
+    def append_kv(self, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype,
+                  build_mask: bool = True):
         """Append keys / values [1, kv_heads, b, d] to the cache; returns the cache's keys and values
         up to the new length and the attention mask of the ``b`` new rows (``mask``, or causal over
-        the new chunk when None and b > 1)."""
+        the new chunk when None and b > 1, unless ``build_mask`` is False: a caller that attends
+        causally without one)."""
         b, start = k.shape[2], self.length
         self._ensure(start + b)
         self._k[:, :, start : start + b] = k
         self._v[:, :, start : start + b] = v
         self.length = start + b
-        if mask is None and b > 1:
+        if mask is None and b > 1 and build_mask:
             mask = torch.zeros(1, 1, b, self.length, dtype=dtype, device=k.device)
             mask[..., start:] = torch.full((b, b), float("-inf"), dtype=dtype, device=k.device).triu(1)
         return self._k[:, :, : self.length], self._v[:, :, : self.length], mask

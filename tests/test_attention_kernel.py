@@ -98,14 +98,14 @@ def test_the_plan_sends_trees_chunks_rows_and_any_mask_to_the_kernel():
     additive = torch.zeros(1, 1, n, past + n, dtype=torch.bfloat16).masked_fill_(~allowed, float("-inf"))
     tree = AttentionPlan.of(n, past, additive, 3, "cpu", kernel=KERNEL)
     # every row sees the prefix and the root: the kernel reads those unmasked, the mask after them
-    assert tree.kernel is KERNEL and tree.limit == past + 1 and torch.equal(tree.visible, vis[:, 1:])
+    assert tree.kernel is KERNEL and tree.shared == past + 1 and torch.equal(tree.visible, vis[:, 1:])
     assert AttentionPlan.of(64, 3000, None, 3, "cpu", kernel=KERNEL).causal
     one = AttentionPlan.of(1, 3000, None, 3, "cpu", kernel=KERNEL)
     assert one.kernel is KERNEL and not one.causal and one.visible is None
     allowed[1, 7] = False  # a row that does not see all of the prefix (a head's draft level): masked from key 7 on
     other = additive.clone().masked_fill_(~allowed, float("-inf"))
     plan = AttentionPlan.of(n, past, other, 3, "cpu", kernel=KERNEL)
-    assert plan.limit == 7 and torch.equal(plan.visible, allowed[:, 7:])
+    assert plan.shared == 7 and torch.equal(plan.visible, allowed[:, 7:])
     gen = torch.Generator().manual_seed(5)
     q, k, v = inputs(n, past + n, 9, 3, 64, gen)
     got = plan.attend_rows(q.transpose(0, 1)[None], k[None], v[None], past, None)

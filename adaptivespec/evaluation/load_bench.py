@@ -124,6 +124,7 @@ def _context(spec: BenchSpec, problems: list[Problem]) -> int:
 def _run(results, contenders, ids, max_new: int, levels, out: Path, progress: bool, formats=None) -> None:
     turns = load.schedule(list(contenders), levels)
     prompts = len(next(iter(ids.values())))
+    fmt = formats or [None] * prompts
     bar = tqdm(total=len(turns), desc="bench load", unit="turn", file=sys.stderr, dynamic_ncols=True,
                disable=not progress)
     with bar:
@@ -134,7 +135,6 @@ def _run(results, contenders, ids, max_new: int, levels, out: Path, progress: bo
             try:
                 lc.reset()
                 warm = min(WARMUP_TOKENS, max_new)
-                fmt = formats or [None] * prompts
                 load.run_level(lambda k, lc=lc, pids=pids: lc.send(pids[k], warm, k, fmt[k]), prompts, c)
                 lc.reset()
                 replies, start = load.run_level(

@@ -36,7 +36,7 @@ import torch
 
 import torch.nn.functional as F
 
-from adaptivespec.fastpath.forward import AttentionPlan, _fold_mask, attend, fast_forward, rope
+from adaptivespec.fastpath.forward import AttentionPlan, _fold_mask, attend, fast_forward, rope, visible
 
 ROW_BUCKET = 8
 """Packed forwards run their own row count up to this many, a multiple of it up to 64, of
@@ -122,6 +122,14 @@ def kernels_attend(sgl, dtype: torch.dtype) -> bool:
     return sgl is not None and dtype in (torch.bfloat16, torch.float16) and hasattr(sgl, "decode_attention_cpu")
 
 
+def placement(parts: Sequence[Part], starts: Sequence[int], pasts: Sequence[int], members: Sequence[int], device):
+    """The ``members``' packed rows, their slots and the slot positions their new keys go to (each [rows])."""
+    rows = [torch.arange(starts[j], starts[j] + parts[j].rows, device=device) for j in members]
+    slots = [torch.full((parts[j].rows,), parts[j].slot, dtype=torch.long, device=device) for j in members]
+    positions = [torch.arange(pasts[j], pasts[j] + parts[j].rows, device=device) for j in members]
+    return torch.cat(rows), torch.cat(slots), torch.cat(positions)
+
+
 class SlabStep:
     """One packed forward's shared attention over the slab for its short parts: the row maps and
     the mask, built once and used by every layer.
@@ -159,7 +167,7 @@ class SlabStep:
         mask = torch.full((n, 1, r_max, S), neg, dtype=dtype, device=device)
         mask[:, :, :, 0] = 0
         q_index = torch.zeros(n, r_max, dtype=torch.long, device=device)
-        rows, slots, positions, flat = [], [], [], []
+        flat = []
         for j in self.members:
             p, s0, past = parts[j], starts[j], pasts[j]
             r, slot = p.rows, p.slot - lo
@@ -172,39 +180,31 @@ class SlabStep:
                 block[:, past : past + r] = own if own.dtype != torch.bool else torch.where(own, 0.0, neg).to(dtype)
             else:  # causal over the new rows
                 block[:, past : past + r] = torch.full((r, r), neg, dtype=dtype, device=device).triu(1)
-            rows.append(torch.arange(s0, s0 + r, device=device))
-            slots.append(torch.full((r,), p.slot, dtype=torch.long, device=device))
-            positions.append(torch.arange(past, past + r, device=device))
             flat.append(slot * r_max + torch.arange(r, device=device))
         self.mask, self.q_index, self.S, self.r_max = mask, q_index, S, r_max
         groups = heads // slab.k[0].shape[1]
         self.folded = mask.expand(n, groups, r_max, S).reshape(n, 1, groups * r_max, S)  # rows as q is folded
-        self.rows = torch.cat(rows)  # packed rows attended here
-        self.slots = torch.cat(slots)  # their slot
-        self.positions = torch.cat(positions)  # where their keys go in the slot
+        # packed rows attended here, their slot, where their keys go in the slot
+        self.rows, self.slots, self.positions = placement(parts, starts, pasts, self.members, device)
         self.flat = torch.cat(flat)  # their place in the [slots * r_max] output
 
     def _kernel_plan(self, kernel, parts: Sequence[Part], starts: Sequence[int], pasts: Sequence[int], device) -> None:
         """Each member's rows, slot, past and tree mask (``attend_slab``'s table), and the slab rows
         its new keys go to."""
-        meta, masks, offset, rows, slots, positions = [], [], 0, [], [], []
+        meta, masks, offset = [], [], 0
         for j in self.members:
             p, s0, past = parts[j], starts[j], pasts[j]
             r = p.rows
             if p.mask is not None:  # a tree's mask over its own rows (every member row sees its whole past)
-                own = p.mask[0, 0, :, past : past + r]
-                masks.append((own if own.dtype == torch.bool else own == 0).reshape(-1))
+                masks.append(visible(p.mask[0, 0, :, past : past + r]).reshape(-1))
                 meta.append((s0, r, p.slot, past, offset))
                 offset += r * r
             else:  # causal over the new rows
                 meta.append((s0, r, p.slot, past, -1))
-            rows.append(torch.arange(s0, s0 + r, device=device))
-            slots.append(torch.full((r,), p.slot, dtype=torch.long, device=device))
-            positions.append(torch.arange(past, past + r, device=device))
         self.kernel = kernel
         self.meta = torch.tensor(meta, dtype=torch.long)
         self.tree_masks = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
-        self.rows, self.slots, self.positions = torch.cat(rows), torch.cat(slots), torch.cat(positions)
+        self.rows, self.slots, self.positions = placement(parts, starts, pasts, self.members, device)
 
     def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: torch.Tensor,
                scale: float | None) -> None:
@@ -270,23 +270,19 @@ class SlabKernels:
         n = len(many)
         index = torch.empty(n, M, **long)
         vis = torch.eye(M, dtype=torch.bool, device=device).repeat(n, 1, 1)  # a padded row sees itself
-        rows, slots, positions, flat = [], [], [], []
+        flat = []
         for b, j in enumerate(many):
             p, s0, past = parts[j], starts[j], pasts[j]
             r = p.rows
             index[b] = s0
             index[b, :r] = torch.arange(s0, s0 + r, device=device)
             if p.mask is not None:
-                own = p.mask[0, 0, :, past: past + r]
-                vis[b, :r, :r] = own if own.dtype == torch.bool else own == 0
+                vis[b, :r, :r] = visible(p.mask[0, 0, :, past: past + r])
             else:
                 vis[b, :r, :r] = torch.ones(r, r, dtype=torch.bool, device=device).tril()
-            rows.append(torch.arange(s0, s0 + r, device=device))
-            slots.append(torch.full((r,), p.slot, **long))
-            positions.append(torch.arange(past, past + r, device=device))
             flat.append(b * M + torch.arange(r, device=device))
         self.M, self.index, self.mask = M, index.flatten(), vis.flatten()
-        self.rows, self.slots, self.positions = torch.cat(rows), torch.cat(slots), torch.cat(positions)
+        self.rows, self.slots, self.positions = placement(parts, starts, pasts, many, device)
         self.flat = torch.cat(flat)
         self.m_slots = torch.tensor([parts[j].slot for j in many], **long)
         self.m_seq = torch.tensor([pasts[j] + M for j in many], **long)
@@ -496,12 +492,12 @@ def packed_draft_step(drafter, tokens: torch.Tensor, states: torch.Tensor, posit
     for p in parts:
         s, e = start, start + p.rows
         qp, kp, vp = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, rows, D]
-        with bound(drafter, p.kv) as d:
-            keys, values, mask = d.append_kv(kp, vp, p.mask, qp.dtype)
         kernel = fast.kernel if fast is not None else None
+        with bound(drafter, p.kv) as d:
+            keys, values, mask = d.append_kv(kp, vp, p.mask, qp.dtype, build_mask=kernel is None)
         if kernel is not None:  # as FastEagle3.step: the bf16 kernel, prompt unmasked, levels under the mask
             past = keys.shape[-2] - (e - s)
-            plan = AttentionPlan.of(e - s, past, p.mask, heads // kp.shape[1], qp.device, kernel=kernel)  # None: causal
+            plan = AttentionPlan.of(e - s, past, mask, heads // kp.shape[1], qp.device, kernel=kernel)  # None: causal
             attn[s:e] = plan.attend_rows(qp, keys, values, past, None)
         else:
             folded = _fold_mask(mask, e - s, heads // kp.shape[1], keys.shape[-2])  # as FastEagle3.step

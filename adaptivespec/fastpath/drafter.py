@@ -142,11 +142,10 @@ class FastEagle3:
         b = tokens.shape[0]
         H, Hkv = self.heads, self.kv_heads
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in self.project(drafter, tokens, state, positions))
-        given = mask
-        keys, values, mask = drafter.append_kv(k, v, mask, q.dtype)
+        keys, values, mask = drafter.append_kv(k, v, mask, q.dtype, build_mask=self.kernel is None)
         if self.kernel is not None:  # the bf16 kernel: the prompt read unmasked, the draft levels under the mask
-            past = keys.shape[-2] - b  # (no mask given: causal over the new rows, as append_kv's own mask says)
-            plan = AttentionPlan.of(b, past, given, H // Hkv, q.device, kernel=self.kernel)
+            past = keys.shape[-2] - b  # (no mask: causal over the new rows)
+            plan = AttentionPlan.of(b, past, mask, H // Hkv, q.device, kernel=self.kernel)
             return self.finish(state, plan.attend_rows(q, keys, values, past, None))
         folded = _fold_mask(mask, b, H // Hkv, keys.shape[-2])  # long context, a level's few rows (fastpath.forward)
         attn = attend(q, keys, values, mask, folded)

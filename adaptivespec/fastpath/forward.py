@@ -151,22 +151,27 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
                                           enable_gqa=Hkv != H)
 
 
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """Where ``mask`` lets a row see a key, as bools: a boolean mask as it is, an additive one where 0."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
 class AttentionPlan:
     """How ``n`` new rows after ``past`` cached keys attend, decided once per forward (the same for
     every layer). With the bfloat16 kernel (``kernel``: :func:`adaptivespec.fastpath.native.attention_ops`)
-    every case runs through it: rows under a mask (a tree: ``limit`` keys every row sees, the committed
+    every case runs through it: rows under a mask (a tree: ``shared`` keys every row sees, the committed
     prefix, and ``visible``, the mask's part after them), a causal chunk (``causal``) or one row. Without it: with ``mask`` (a tree's,
     [1, 1, n, >= past + n]; heads folded into rows where that pays, :func:`_fold_mask`), causally over
     a fresh cache, split around the cached prefix (:func:`attend_after_prefix`: a later chunk of a
     chunked prefill), or under a causal mask after the past. One row needs no mask."""
 
-    __slots__ = ("mask", "folded", "causal", "split", "native", "limit", "kernel", "visible")
+    __slots__ = ("mask", "folded", "causal", "split", "native", "limit", "kernel", "visible", "shared")
 
     def __init__(self, mask, folded, causal: bool, split: bool, native=None, limit=None, kernel=None,
-                 visible=None) -> None:
+                 visible=None, shared: int = 0) -> None:
         self.mask, self.folded, self.causal, self.split = mask, folded, causal, split
         self.native, self.limit = native, limit
-        self.kernel, self.visible = kernel, visible
+        self.kernel, self.visible, self.shared = kernel, visible, shared
 
     @classmethod
     def of(cls, n: int, past: int, attention_mask: torch.Tensor | None, groups: int, device,
@@ -175,18 +180,16 @@ class AttentionPlan:
         ``kernel``: the bfloat16 attention kernel, where it applies."""
         if native is not None:
             if attention_mask is not None:  # a tree's additive mask (0: visible) or a boolean one
-                vis = attention_mask[0, 0] if attention_mask.dtype == torch.bool else attention_mask[0, 0] == 0
-                return cls(vis, None, False, False, native)
+                return cls(visible(attention_mask[0, 0]), None, False, False, native)
             limit = torch.arange(past, past + n, device=device) if n > 1 else None  # causal: row i sees keys <= past + i
             return cls(None, None, False, False, native, limit)
         if kernel is not None:
             if attention_mask is None:
                 return cls(None, None, n > 1, False, kernel=kernel)
-            vis = attention_mask[0, 0, :, : past + n]
-            vis = vis if vis.dtype == torch.bool else vis == 0
+            vis = visible(attention_mask[0, 0, :, : past + n])
             hidden = (~vis.all(0)).nonzero()  # keys some row does not see: the first ends the shared prefix
             shared = int(hidden[0]) if hidden.numel() else past + n
-            return cls(None, None, False, False, kernel=kernel, visible=vis[:, shared:], limit=shared)
+            return cls(None, None, False, False, kernel=kernel, visible=vis[:, shared:], shared=shared)
         mask, causal, split = None, False, False
         if attention_mask is not None:
             mask = attention_mask
@@ -207,7 +210,7 @@ class AttentionPlan:
         _, H, n, D = q.shape
         if self.kernel is not None:  # the keys every row sees, then the tree's part or the causal edge
             scale = D ** -0.5 if scale is None else scale
-            seen = self.limit if self.visible is not None else past if self.causal else keys.shape[-2]
+            seen = self.shared if self.visible is not None else past if self.causal else keys.shape[-2]
             return self.kernel.attend_bf16(q[0].transpose(0, 1), keys[0], values[0], seen, self.visible, self.causal,
                                            scale)
         return self.attend(q, keys, values, past, scale)[0].transpose(0, 1).reshape(n, H * D)

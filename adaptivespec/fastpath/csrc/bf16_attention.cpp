@@ -1,26 +1,30 @@
-// Attention of bfloat16 rows over a long cache with AVX512-BF16 dot products (adaptivespec/fastpath/attention_kernel.py).
+// Attention of bfloat16 rows over a long cache with AVX512-BF16 dot products (built and loaded by
+// adaptivespec/fastpath/native.py; called through adaptivespec/fastpath/forward.py's AttentionPlan).
 //
 // attend_bf16  q [n, H, D] (row-major per row and head, unit stride in D), keys / values [Hkv, S, D]
 //              (a cache layer's buffers: strided over heads and keys, unit stride in D), `past`,
 //              visibility: row i sees keys [0, past) and, beyond them, key past + j where
 //              mask[i][j] (a tree, mask [n, S - past]), or where j <= i (causal, no mask, causal=true),
 //              or every key (no mask, causal=false)  -> out [n, H * D] bf16.
+// attend_slab  the same for several requests' packed rows, each over its own slot of a slab of caches.
 //
 // Why: torch's CPU flash attention spends ~1.5 ns per score (row x head x key) on a 2-vCPU AMD EPYC,
 // six times slower per flop than the same machine's bf16 matmuls; most of a 4k prompt's prefill and
-// most of what a tree's row costs at 4k keys. Here a KV head's query heads are folded into its rows
-// (the cache is read once for all of them), a block of 32 keys is packed once per call into the
-// layout VDPBF16PS reads (two dims of a key in one 32-bit lane), scores are accumulated in float32
-// from exact bf16 products, the softmax is online (float32, an exp by range reduction and a
-// polynomial), and the probabilities are rounded to bf16 for the value product, as torch's kernel
-// rounds them. The prefix every row sees is processed without a mask; only the blocks that hold the
-// tree or the causal edge are masked (the cascade of Hydragen / FlashInfer, in one pass).
+// most of what a tree's row costs at 4k keys. Here one (row, query head) pair sits in each AVX-512
+// lane, a KV head's query heads folded into its rows (the cache is read once for all of them); the
+// keys are read in place (a key's two dims broadcast against the pairs' queries, VDPBF16PS), the
+// values are packed once per call as key pairs per dim; scores are summed in float32 from exact bf16
+// products, the softmax is online and lane by lane (float32), and the probabilities are rounded to
+// bf16 for the value product, as torch's kernel rounds them. The prefix every row sees is processed
+// without a mask; only the blocks that hold the tree or the causal edge are masked (the cascade of
+// Hydragen / FlashInfer, in one pass).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
