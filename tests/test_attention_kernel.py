@@ -91,6 +91,52 @@ def test_a_row_is_computed_from_its_own_keys_only():
     assert torch.equal(all_rows[3], again[3])
 
 
+@pytest.mark.parametrize("past", [0, 7, 16, 29, 250, 1021])
+def test_a_tree_row_has_the_bits_of_the_same_row_decoded_alone(past):
+    """Batch-invariance, bit for bit: a tree node's row over the prefix and its ancestors (scattered among
+    siblings' slots, several trees' worth of rows and threads beside it) equals the same query alone over
+    the same keys laid out contiguously (the tokens accepted, one row's step), and equals it again as a
+    row of a causal prefill chunk. What keeps a seed's sampled tokens the same whatever is decoded beside it."""
+    gen = torch.Generator().manual_seed(past + 1)
+    n, heads, kv_heads, D = 24, 9, 3, 64
+    q, k, v = inputs(n, past + n, heads, kv_heads, D, gen)
+    vis = random_tree(n, gen)
+    tree = KERNEL.attend_bf16(q, k, v, past, vis, False, 0.125)
+    for i in (0, 5, n - 1):
+        path = vis[i].nonzero().flatten()  # ancestors then the node, in slot order
+        kk = torch.cat([k[:, :past], k[:, past + path]], 1)
+        vv = torch.cat([v[:, :past], v[:, past + path]], 1)
+        alone = KERNEL.attend_bf16(q[i:i + 1], kk, vv, kk.shape[1] - 1, None, True, 0.125)
+        assert torch.equal(tree[i], alone[0]), f"row {i}"
+        rows = torch.cat([q[:1].expand(len(path) - 1, -1, -1), q[i:i + 1]])  # a chunk ending in the row
+        chunk = KERNEL.attend_bf16(rows, kk, vv, past, None, True, 0.125)
+        assert torch.equal(tree[i], chunk[-1]), f"row {i} in a chunk"
+
+
+def test_a_slab_member_has_the_bits_it_has_alone():
+    """attend_slab: each request's rows equal the same request's call alone (trees and causal chunks mixed)."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, D, cap = 9, 3, 64, 300
+    K = torch.randn(3, kv_heads, cap, D, generator=gen).bfloat16()
+    V = torch.randn(3, kv_heads, cap, D, generator=gen).bfloat16()
+    plan = [(0, 9, 0, 120, True), (9, 1, 1, 7, False), (10, 30, 2, 200, False)]  # first row, rows, slot, past, tree
+    q = torch.randn(40, heads, D, generator=gen).bfloat16()
+    masks, meta, off = [], [], 0
+    for r0, n, slot, past, is_tree in plan:
+        m = random_tree(n, gen) if is_tree else None
+        meta.append([r0, n, slot, past, off if is_tree else -1])
+        if is_tree:
+            masks.append(m.flatten())
+            off += n * n
+    out = torch.zeros(40, heads * D, dtype=torch.bfloat16)
+    flat = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+    KERNEL.attend_slab(q, K, V, torch.tensor(meta), flat, 0.125, out)
+    for (r0, n, slot, past, is_tree), m in zip(plan, [masks[0].view(9, 9), None, None]):
+        alone = KERNEL.attend_bf16(q[r0:r0 + n], K[slot, :, :past + n], V[slot, :, :past + n], past,
+                                   m if is_tree else None, not is_tree, 0.125)
+        assert torch.equal(out[r0:r0 + n], alone)
+
+
 def test_the_plan_sends_trees_chunks_rows_and_any_mask_to_the_kernel():
     n, past = 4, 50
     vis = random_tree(n, torch.Generator().manual_seed(0))

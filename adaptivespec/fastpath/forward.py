@@ -250,11 +250,12 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return qk * cos + rot * sin
 
 
-def pack(mods, dtype, sgl) -> PackedWeight | Int8Weight:
+def pack(mods, dtype, sgl, invariant: bool = False) -> PackedWeight | Int8Weight:
     """One packed matmul for the linear layers ``mods`` side by side (their weights, and biases where
     any has one, concatenated along the outputs). Int8 layers (:class:`~adaptivespec.fastpath.int8.Int8Linear`,
     all or none of ``mods``) give one :class:`~adaptivespec.fastpath.int8.Int8Weight`: their int8 rows
-    and per-channel scales side by side compute what each computes alone."""
+    and per-channel scales side by side compute what each computes alone. ``invariant``: a row's bits may
+    not depend on the rows beside it (:class:`~adaptivespec.fastpath.prepack.PackedWeight`)."""
     bias = None
     if any(getattr(m, "bias", None) is not None for m in mods):
         bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype)
@@ -265,7 +266,7 @@ def pack(mods, dtype, sgl) -> PackedWeight | Int8Weight:
         return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias,
                           mods[0].inv_smooth, mods[0].groups)  # one input: one set of smoothing factors and slices
     weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
-    return PackedWeight(weight, bias, sgl)
+    return PackedWeight(weight, bias, sgl, invariant)
 
 
 class _Layer:
@@ -300,14 +301,16 @@ class FastLlama:
         self.rotary = inner.rotary_emb
         self.norm_w = inner.norm.weight.detach()
         self.norm_eps = inner.norm.variance_epsilon
+        # with the attention kernel the bf16 forward is batch-invariant: no linear may round a row by its neighbours
+        invariant = self.kernel is not None
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             L = _Layer()
-            L.qkv = pack((a.q_proj, a.k_proj, a.v_proj), dtype, sgl)
-            L.o = pack((a.o_proj,), dtype, sgl)
-            L.gate_up = pack((m.gate_proj, m.up_proj), dtype, sgl)
-            L.down = pack((m.down_proj,), dtype, sgl)
+            L.qkv = pack((a.q_proj, a.k_proj, a.v_proj), dtype, sgl, invariant)
+            L.o = pack((a.o_proj,), dtype, sgl, invariant)
+            L.gate_up = pack((m.gate_proj, m.up_proj), dtype, sgl, invariant)
+            L.down = pack((m.down_proj,), dtype, sgl, invariant)
             L.w_in, L.eps_in = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
             L.w_post, L.eps_post = (layer.post_attention_layernorm.weight.detach(),
                                     layer.post_attention_layernorm.variance_epsilon)
@@ -320,7 +323,7 @@ class FastLlama:
                 # [H + Hkv, D]: the rows of the Q|K block normed in one op (torch's path)
                 L.qk_norm = torch.cat([L.q_norm.expand(self.heads, -1), L.k_norm.expand(self.kv_heads, -1)])
             self.layers.append(L)
-        self.lm_head = pack((model.lm_head,), dtype, sgl)
+        self.lm_head = pack((model.lm_head,), dtype, sgl, invariant)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         if self.native is not None:  # the int8 target: one call, a row's sums in one fixed order

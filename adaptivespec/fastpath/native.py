@@ -17,7 +17,12 @@ prefill chunk or one row, where the CPU has AVX512-BF16): a KV head's query head
 rows, the committed prefix read once for every row and merged with the tree or causal edge in the
 same pass, VDPBF16PS dot products; ~2x torch's CPU flash attention at 1k-4k keys (docs/speed.md, *Long prompts*).
 Where it cannot be built (no AVX512-BF16, no compiler) torch's SDPA runs, as before.
-``$ADAPTIVESPEC_NO_ATTENTION_KERNEL=1`` skips it alone.
+``$ADAPTIVESPEC_NO_ATTENTION_KERNEL=1`` skips it alone. A row's output is the same sequence of roundings
+over its own visible keys whatever else the call holds (docs/batching.md, *Seeds*).
+
+The fixed-order bfloat16 linear (``csrc/bf16_linear.cpp``, :func:`linear_ops`): for the weights whose
+oneDNN matmul rounds a row by the number of rows beside it (found by a probe, per shape and thread
+count), so that with the attention kernel the bfloat16 forward is batch-invariant.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 """``-ffp-contract=off``: a multiply and an add stay two roundings, as in torch's ops (the fallback)."""
 ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "bf16_attention.cpp"
 ATTENTION_FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+LINEAR_ENV = "ADAPTIVESPEC_NO_LINEAR_KERNEL"
+LINEAR_SOURCE = Path(__file__).parent / "csrc" / "bf16_linear.cpp"
 
 log = logging.getLogger("adaptivespec.native")
 _STATE: dict[str, object] = {}
@@ -74,6 +81,21 @@ def attention_why_not() -> str | None:
         return f"${ATTENTION_ENV}=1"
     attention_ops()
     return _STATE["attention_why"]
+
+
+def linear_ops():
+    """The fixed-order bfloat16 linear (``pack_linear``, ``linear_bf16``, ``available``) where it builds and
+    the CPU has AVX512-BF16 and ``$ADAPTIVESPEC_NO_LINEAR_KERNEL`` is not 1, else None. Used for a weight
+    whose oneDNN matmul sums a row differently by the number of rows
+    (:class:`adaptivespec.fastpath.prepack.PackedWeight`, ``invariant=True``)."""
+    if os.environ.get(LINEAR_ENV, "0") == "1":
+        return None
+    if "linear" not in _STATE:
+        module, why = _build("adaptivespec_bf16_linear", LINEAR_SOURCE, ATTENTION_FLAGS)
+        if module is not None and not module.available():
+            module, why = None, "the CPU has no AVX512-BF16"
+        _STATE["linear"], _STATE["linear_why"] = module, why
+    return _STATE["linear"]
 
 
 def _flags_key() -> str:

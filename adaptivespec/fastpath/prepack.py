@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from adaptivespec.fastpath.native import linear_ops
+
 DISABLE_ENV = "ADAPTIVESPEC_NO_PREPACK"
 
 
@@ -41,14 +43,23 @@ class PackedWeight:
 
     With ``sgl`` (:func:`sgl_ops`), SGLang's AMX ``weight_packed_linear``: at one to a few rows its
     fixed cost per call is a third of oneDNN's (~10 vs ~30 us for 576 x 576 on the 2-vCPU Xeon).
-    Shapes it refuses (its blocks need e.g. a multiple of 32 output features) fall back to oneDNN."""
+    Shapes it refuses (its blocks need e.g. a multiple of 32 output features) fall back to oneDNN.
+    With ``invariant`` (bf16, no ``sgl``), a shape whose oneDNN matmul rounds a row by the rows beside it
+    (:func:`onednn_rows_invariant`) runs the fixed-order kernel instead, where it builds."""
 
-    __slots__ = ("packed", "bias", "sgl")
+    __slots__ = ("packed", "bias", "sgl", "fixed", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, sgl=None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, sgl=None, invariant: bool = False) -> None:
         weight = weight.detach().contiguous()
         bias = None if bias is None else bias.detach()
-        self.sgl = None
+        self.sgl = self.fixed = None
+        self.out_features = weight.shape[0]
+        if invariant and sgl is None and weight.dtype == torch.bfloat16:
+            ops = linear_ops()
+            if ops is not None and not onednn_rows_invariant(weight.shape[0], weight.shape[1]):
+                self.fixed, self.packed = ops, ops.pack_linear(weight)
+                self.bias = None if bias is None else bias.float().contiguous()
+                return
         if sgl is not None:
             try:
                 packed = sgl.convert_weight_packed(weight)
@@ -62,9 +73,34 @@ class PackedWeight:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed is not None:
+            return self.fixed.linear_bf16(x, self.packed, self.out_features, self.bias)
         if self.sgl is not None:
             return self.sgl.weight_packed_linear(x.contiguous(), self.packed, self.bias, True)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+_VERDICTS: dict[tuple[int, int, int], bool] = {}
+
+
+@torch.no_grad()
+def onednn_rows_invariant(out_features: int, in_features: int) -> bool:
+    """Whether oneDNN's prepacked bf16 matmul of this shape gives a row the same bits in a call of any
+    number of rows (1-40, 64, 96, 256) as alone, at the current thread count: a probe on random rows,
+    once per shape and thread count in a process. On a 2-vCPU AMD EPYC it holds for SmolLM2's 576-wide
+    inputs and fails for its down projection (1536 wide: rows from the 12th of a call on differ), whose
+    weight then goes to the fixed-order kernel (:func:`adaptivespec.fastpath.native.linear_ops`)."""
+    key = (out_features, in_features, torch.get_num_threads())
+    if key not in _VERDICTS:
+        gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
+        w = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
+        x = torch.randn(256, in_features, generator=gen).bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # noqa: E731
+        alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
+        sizes = [*range(2, 41), 64, 96, 256]
+        _VERDICTS[key] = all(torch.equal(run(x[:m]), alone[:m]) for m in sizes)
+    return _VERDICTS[key]
 
 
 class PackedLinear(torch.nn.Module):

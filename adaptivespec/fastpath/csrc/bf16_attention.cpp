@@ -59,26 +59,31 @@ inline __m512 dp_bcast(__m512 acc, __m512bh a, const uint32_t* p) {
   return acc;
 }
 
-// One tile: up to 16 pairs (row, query head) of one KV head, one pair per lane. Scores of a block of
-// 16 keys are 16 vectors over the pairs (a key's two dims broadcast against the pairs' packed
-// queries): the online softmax runs lane by lane with no horizontal reduction, and the value
-// product adds (p[2j], p[2j+1]) x (V[2j][d], V[2j+1][d]) into acc[d] for every pair at once.
+// One tile: up to 16 pairs (row, query head) of one KV head, one pair per lane. A block's 16 scores are
+// 16 vectors over the pairs (a key's two dims broadcast against the pairs' packed queries); nothing is
+// summed across lanes. Three passes, each a lane's own arithmetic in one fixed order:
+//   scores  every visible key's score (an invisible key's: -inf) and the lane's maximum (exact, so the
+//           same whichever blocks or tasks found it);
+//   probs   p = exp(score - maximum), rounded to bf16, packed as key pairs (the earlier key in the high
+//           half: VDPBF16PS adds the high product first, then the low one, two float32 roundings);
+//   values  acc[d] and the sum l over the keys in order, one VDPBF16PS per key pair.
+// So a lane's output is the same sequence of roundings over its visible keys in ascending order, and an
+// invisible key between them (p = 0, an exact no-op) changes nothing: a row gives the same bits whether
+// its keys lie in a tree, a prefill chunk, one row's step or another request's slab, and wherever the
+// blocks, tasks or the keys' two-key pairs fall (the batch-invariance the seeds rely on).
 template <int D>
 struct Tile {
   alignas(64) uint32_t qp[D / 2][L];  // the pairs' queries, two dims per 32-bit lane
-  alignas(64) float acc[D][L];
-  alignas(64) float m[L];
-  alignas(64) float l[L];
   int row[L], head[L];
   int np;
 };
 
+// scores of one block of keys (rows of D bf16, `lk` apart) into s [KJ][L]; the lanes' running maximum
 template <int D>
-inline void tile_block(Tile<D>& T, const uint16_t* k, int64_t lk, const uint32_t* vp, int nb, const uint16_t* lanes,
-                       float scale) {
-  // keys as rows of D / 2 32-bit lanes, D apart (a partial block copied into zero-padded rows first)
+inline void tile_scores(const Tile<D>& T, const uint16_t* k, int64_t lk, int nb, const uint16_t* lanes, float scale,
+                        float* s, float* mx) {
   alignas(64) uint16_t pad[KJ * D];
-  if (nb < KJ || lk != D) {
+  if (nb < KJ || lk != D) {  // keys as rows of D / 2 32-bit lanes, D apart; a partial block zero-padded
     for (int j = 0; j < KJ; ++j) {
       if (j < nb) std::memcpy(pad + j * D, k + j * lk, sizeof(uint16_t) * D);
       else std::memset(pad + j * D, 0, sizeof(uint16_t) * D);
@@ -96,58 +101,71 @@ inline void tile_block(Tile<D>& T, const uint16_t* k, int64_t lk, const uint32_t
     ADAPTIVESPEC_QK(12) ADAPTIVESPEC_QK(13) ADAPTIVESPEC_QK(14) ADAPTIVESPEC_QK(15)
 #undef ADAPTIVESPEC_QK
   }
-  __m512 s[KJ] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
+  const __m512 sv[KJ] = {s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15};
   const __m512 sc = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 bm = ninf;
+  __m512 m = _mm512_loadu_ps(mx);
   for (int j = 0; j < KJ; ++j) {
     const __mmask16 vis = j < nb ? (lanes ? static_cast<__mmask16>(lanes[j]) : static_cast<__mmask16>(0xFFFF)) : 0;
-    s[j] = _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(s[j], sc));
-    bm = _mm512_max_ps(bm, s[j]);
+    const __m512 v = _mm512_mask_blend_ps(vis, ninf, _mm512_mul_ps(sv[j], sc));
+    _mm512_storeu_ps(s + j * L, v);
+    m = _mm512_max_ps(m, v);
   }
-  const __m512 mo = _mm512_load_ps(T.m);
-  const __m512 mn = _mm512_max_ps(mo, bm);
-  const __mmask16 grew = _mm512_cmp_ps_mask(mn, mo, _CMP_GT_OQ);
-  __m512 lsum = _mm512_load_ps(T.l);
-  if (grew) {
-    const __m512 alpha = exp16(_mm512_sub_ps(mo, mn));
-    lsum = _mm512_mul_ps(lsum, alpha);
-    for (int d = 0; d < D; ++d) _mm512_store_ps(T.acc[d], _mm512_mul_ps(_mm512_load_ps(T.acc[d]), alpha));
-    _mm512_store_ps(T.m, mn);
-  }
-  alignas(64) uint32_t pp[KJ / 2][L];
+  _mm512_storeu_ps(mx, m);
+}
+
+// s [KJ][L] -> pp [KJ / 2][L] (in place: pp's pair j2 overwrites no score not yet read)
+inline void tile_probs(float* s, const float* mx) {
+  const __m512 m = _mm512_loadu_ps(mx);
+  uint32_t* pp = reinterpret_cast<uint32_t*>(s);
   for (int j2 = 0; j2 < KJ / 2; ++j2) {
-    const __m512 p0 = exp16(_mm512_sub_ps(s[2 * j2], mn)), p1 = exp16(_mm512_sub_ps(s[2 * j2 + 1], mn));
-    lsum = _mm512_add_ps(lsum, _mm512_add_ps(p0, p1));
+    const __m512 p0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 2 * j2 * L), m));
+    const __m512 p1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (2 * j2 + 1) * L), m));
     const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
     const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-    _mm512_store_si512(pp[j2], _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    _mm512_storeu_si512(pp + j2 * L, _mm512_or_si512(b, _mm512_slli_epi32(a, 16)));  // the earlier key high
   }
-  _mm512_store_ps(T.l, lsum);
-  for (int d0 = 0; d0 < D; d0 += 16) {
-#define ADAPTIVESPEC_ACC(c) __m512 a##c = _mm512_load_ps(T.acc[d0 + c]);
-    ADAPTIVESPEC_ACC(0) ADAPTIVESPEC_ACC(1) ADAPTIVESPEC_ACC(2) ADAPTIVESPEC_ACC(3) ADAPTIVESPEC_ACC(4) ADAPTIVESPEC_ACC(5)
-    ADAPTIVESPEC_ACC(6) ADAPTIVESPEC_ACC(7) ADAPTIVESPEC_ACC(8) ADAPTIVESPEC_ACC(9) ADAPTIVESPEC_ACC(10)
-    ADAPTIVESPEC_ACC(11) ADAPTIVESPEC_ACC(12) ADAPTIVESPEC_ACC(13) ADAPTIVESPEC_ACC(14) ADAPTIVESPEC_ACC(15)
+}
+
+// acc[d0 .. d0 + 16) over blocks [0, nblk) of packed probabilities pp (KJ / 2 x L words a block) and values
+// vp (KJ / 2 x D words a block); with `l`, also the sum of the probabilities, key by key
+template <int D>
+inline void tile_values(const uint32_t* pp, int64_t pstride, const uint32_t* vp, int64_t nblk, int d0, float* acc,
+                        float* l) {
+#define ADAPTIVESPEC_ACC(c) __m512 a##c = _mm512_setzero_ps();
+  ADAPTIVESPEC_ACC(0) ADAPTIVESPEC_ACC(1) ADAPTIVESPEC_ACC(2) ADAPTIVESPEC_ACC(3) ADAPTIVESPEC_ACC(4) ADAPTIVESPEC_ACC(5)
+  ADAPTIVESPEC_ACC(6) ADAPTIVESPEC_ACC(7) ADAPTIVESPEC_ACC(8) ADAPTIVESPEC_ACC(9) ADAPTIVESPEC_ACC(10)
+  ADAPTIVESPEC_ACC(11) ADAPTIVESPEC_ACC(12) ADAPTIVESPEC_ACC(13) ADAPTIVESPEC_ACC(14) ADAPTIVESPEC_ACC(15)
 #undef ADAPTIVESPEC_ACC
+  __m512 ls = _mm512_setzero_ps();
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const uint32_t* pb = pp + blk * pstride;
+    const uint32_t* vb = vp + blk * (KJ / 2) * D + d0;
     for (int j2 = 0; j2 < KJ / 2; ++j2) {
-      const __m512bh p = (__m512bh)_mm512_load_si512(pp[j2]);
-      const uint32_t* vr = vp + j2 * D + d0;
+      const __m512i pw = _mm512_loadu_si512(pb + j2 * L);
+      const __m512bh p = (__m512bh)pw;
+      const uint32_t* vr = vb + j2 * D;
 #define ADAPTIVESPEC_PV(c) a##c = dp_bcast(a##c, p, vr + (c));
       ADAPTIVESPEC_PV(0) ADAPTIVESPEC_PV(1) ADAPTIVESPEC_PV(2) ADAPTIVESPEC_PV(3) ADAPTIVESPEC_PV(4) ADAPTIVESPEC_PV(5)
       ADAPTIVESPEC_PV(6) ADAPTIVESPEC_PV(7) ADAPTIVESPEC_PV(8) ADAPTIVESPEC_PV(9) ADAPTIVESPEC_PV(10)
       ADAPTIVESPEC_PV(11) ADAPTIVESPEC_PV(12) ADAPTIVESPEC_PV(13) ADAPTIVESPEC_PV(14) ADAPTIVESPEC_PV(15)
 #undef ADAPTIVESPEC_PV
+      if (l) {  // the earlier key's p (high half), then the later one's
+        ls = _mm512_add_ps(ls, _mm512_castsi512_ps(_mm512_and_si512(pw, hi)));
+        ls = _mm512_add_ps(ls, _mm512_castsi512_ps(_mm512_slli_epi32(pw, 16)));
+      }
     }
-#define ADAPTIVESPEC_ST(c) _mm512_store_ps(T.acc[d0 + c], a##c);
-    ADAPTIVESPEC_ST(0) ADAPTIVESPEC_ST(1) ADAPTIVESPEC_ST(2) ADAPTIVESPEC_ST(3) ADAPTIVESPEC_ST(4) ADAPTIVESPEC_ST(5)
-    ADAPTIVESPEC_ST(6) ADAPTIVESPEC_ST(7) ADAPTIVESPEC_ST(8) ADAPTIVESPEC_ST(9) ADAPTIVESPEC_ST(10)
-    ADAPTIVESPEC_ST(11) ADAPTIVESPEC_ST(12) ADAPTIVESPEC_ST(13) ADAPTIVESPEC_ST(14) ADAPTIVESPEC_ST(15)
-#undef ADAPTIVESPEC_ST
   }
+#define ADAPTIVESPEC_ST(c) _mm512_storeu_ps(acc + (d0 + c) * L, a##c);
+  ADAPTIVESPEC_ST(0) ADAPTIVESPEC_ST(1) ADAPTIVESPEC_ST(2) ADAPTIVESPEC_ST(3) ADAPTIVESPEC_ST(4) ADAPTIVESPEC_ST(5)
+  ADAPTIVESPEC_ST(6) ADAPTIVESPEC_ST(7) ADAPTIVESPEC_ST(8) ADAPTIVESPEC_ST(9) ADAPTIVESPEC_ST(10)
+  ADAPTIVESPEC_ST(11) ADAPTIVESPEC_ST(12) ADAPTIVESPEC_ST(13) ADAPTIVESPEC_ST(14) ADAPTIVESPEC_ST(15)
+#undef ADAPTIVESPEC_ST
+  if (l) _mm512_storeu_ps(l, ls);
 }
 
-// values [KJ][D] (rows `lv` apart) -> vp [KJ/2][D] 32-bit lanes (V[2j][d], V[2j+1][d]); missing keys 0
+// values [KJ][D] (rows `lv` apart) -> vp [KJ/2][D] 32-bit lanes (V[2j][d] high, V[2j+1][d] low); missing keys 0
 template <int D>
 inline void pack_values(const uint16_t* v, int64_t lv, int nb, uint32_t* vp) {
   for (int j2 = 0; j2 < KJ / 2; ++j2) {
@@ -155,7 +173,7 @@ inline void pack_values(const uint16_t* v, int64_t lv, int nb, uint32_t* vp) {
     for (int d0 = 0; d0 < D; d0 += 16) {
       __m256i ra = a < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + a * lv + d0)) : _mm256_setzero_si256();
       __m256i rb = b < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + b * lv + d0)) : _mm256_setzero_si256();
-      _mm512_storeu_si512(vp + j2 * D + d0, _mm512_or_si512(_mm512_cvtepu16_epi32(ra), _mm512_slli_epi32(_mm512_cvtepu16_epi32(rb), 16)));
+      _mm512_storeu_si512(vp + j2 * D + d0, _mm512_or_si512(_mm512_cvtepu16_epi32(rb), _mm512_slli_epi32(_mm512_cvtepu16_epi32(ra), 16)));
     }
   }
 }
@@ -177,7 +195,7 @@ template <int D>
 void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int64_t Hkv, const std::vector<Seq>& seqs,
                  float scale, uint16_t* op, int64_t ldo) {
   const int64_t g = H / Hkv;
-  const int64_t blk_words = (KJ / 2) * D;
+  const int64_t blk_words = (KJ / 2) * D, sblk = KJ * L;  // a block's packed values; a block's scores per tile
   // values packed once per call (key pairs per dim); keys are read in place. Task lists over all sequences.
   std::vector<int64_t> blk0(seqs.size() + 1, 0), tile0(seqs.size() + 1, 0), tiles(seqs.size());
   for (size_t s = 0; s < seqs.size(); ++s) {
@@ -198,13 +216,79 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
                      vpack.get() + t * blk_words);
     }
   });
-  // Tasks: a group of up to GT tiles of one (sequence, KV head) walks the keys block by block, every
-  // tile of the group reading the block while it is in L1 (at long context the keys and values come
-  // from memory: each read once per group, not once per tile). Where there are few groups (a plain
-  // step, a small tree) each group's keys are also cut into `parts` ranges run as tasks of their own
-  // (flash-decoding), merged after by their maxima and sums, so that every thread has work.
+  // A tile's pairs, their rows' first partly hidden key (`full`) and the end of their keys (`last`).
+  struct Info { size_t seq; int64_t kv, full, last, nblk; };
+  const int64_t ntiles = tile0.back();
+  std::vector<Info> info(ntiles);
+  std::vector<Tile<D>> T(ntiles);
+  at::parallel_for(0, ntiles, 16, [&](int64_t b, int64_t e) {
+    for (int64_t tile = b; tile < e; ++tile) {
+      const size_t si = seq_of(tile0, tile);
+      const Seq& sq = seqs[si];
+      const int64_t local = tile - tile0[si], kv = local / tiles[si], pairs = sq.n * g;
+      const int64_t a0 = (local % tiles[si]) * L, a1 = std::min(pairs, a0 + L);
+      Tile<D>& t = T[tile];
+      t.np = static_cast<int>(a1 - a0);
+      int64_t full = sq.S, last = 0;
+      for (int lane = 0; lane < L; ++lane) {
+        const int64_t a = a0 + std::min<int64_t>(lane, t.np - 1);  // idle lanes repeat the last pair
+        const int64_t i = a / g, hh = a % g;
+        t.row[lane] = static_cast<int>(i);
+        t.head[lane] = static_cast<int>(kv * g + hh);
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(qptr + (sq.row0 + i) * qs0 + (kv * g + hh) * qs1);
+        for (int d2 = 0; d2 < D / 2; ++d2) t.qp[d2][lane] = qr[d2];
+        full = std::min(full, sq.mask ? sq.past : sq.reach(i));
+        last = std::max(last, sq.reach(i));
+      }
+      info[tile] = Info{si, kv, full, last, (last + KJ - 1) / KJ};
+    }
+  });
+  // scores of blocks [b0, b1) for the tiles [t0, t0 + count) of one (sequence, KV head), each block read
+  // once for all of them while it is in L1; s(tile, blk) is where a tile's block goes, mx(tile) its maxima
+  auto scores = [&](int64_t t0, int64_t count, int64_t b0, int64_t b1, auto s, auto mx) {
+    alignas(64) uint16_t lanes[KJ];
+    const Seq& sq = seqs[info[t0].seq];
+    const int64_t kv = info[t0].kv;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t j0 = blk * KJ;
+      const int nb = static_cast<int>(std::min<int64_t>(KJ, sq.S - j0));
+      const uint16_t* kblk = sq.kb + kv * sq.ks0 + j0 * sq.ks1;
+      for (int64_t c = 0; c < count; ++c) {
+        const Info& in = info[t0 + c];
+        if (blk >= in.nblk) continue;  // past every key this tile's rows see
+        const Tile<D>& t = T[t0 + c];
+        const uint16_t* lp = nullptr;
+        if (j0 + KJ > in.full) {  // the edge: each key's lanes that see it
+          for (int jj = 0; jj < KJ; ++jj) {
+            uint16_t bits = 0;
+            if (jj < nb)
+              for (int lane = 0; lane < L; ++lane)
+                if (sq.visible(t.row[lane], j0 + jj)) bits |= static_cast<uint16_t>(1u << lane);
+            lanes[jj] = bits;
+          }
+          lp = lanes;
+        }
+        tile_scores<D>(t, kblk, sq.ks1, nb, lp, scale, s(t0 + c, blk), mx(t0 + c));
+      }
+    }
+  };
+  auto write = [&](int64_t tile, const float* l, const float* acc) {
+    const Tile<D>& t = T[tile];
+    const Seq& sq = seqs[info[tile].seq];
+    for (int lane = 0; lane < t.np; ++lane) {
+      uint16_t* o = op + (sq.row0 + t.row[lane]) * ldo + t.head[lane] * D;
+      const float inv = l[lane] > 0.f ? 1.0f / l[lane] : 0.f;
+      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(acc[d * L + lane] * inv).x;
+    }
+  };
+  auto vals_of = [&](int64_t tile) {
+    const Info& in = info[tile];
+    const int64_t nblk = (seqs[in.seq].S + KJ - 1) / KJ;
+    return vpack.get() + (blk0[in.seq] + in.kv * nblk) * blk_words;
+  };
+  // Groups of up to GT tiles of one (sequence, KV head) read each key block once for all of them.
   constexpr int64_t GT = 4;
-  const int64_t base = tile0.back(), threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   std::vector<int64_t> grp0(seqs.size() + 1, 0), groups(seqs.size());
   int64_t longest = 0;
   for (size_t q = 0; q < seqs.size(); ++q) {
@@ -213,118 +297,78 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
     longest = std::max(longest, (seqs[q].S + KJ - 1) / KJ);
   }
   const int64_t ngroups = grp0.back();
-  int64_t parts = 1;
-  if (ngroups < 4 * threads) parts = std::max<int64_t>(1, std::min((4 * threads + ngroups - 1) / ngroups, longest / 16));
-  std::vector<float> pm, pl, pacc;
-  if (parts > 1) {
-    pm.resize(base * parts * L), pl.resize(base * parts * L), pacc.resize(base * parts * D * L);
-  }
-  auto tile_rows = [&](int64_t tile, Tile<D>& T, int64_t& full, int64_t& last) {  // the tile's pairs, empty state
-    const size_t si = seq_of(tile0, tile);
-    const Seq& sq = seqs[si];
-    const int64_t local = tile - tile0[si], kv = local / tiles[si], pairs = sq.n * g;
-    const int64_t a0 = (local % tiles[si]) * L, a1 = std::min(pairs, a0 + L);
-    T.np = static_cast<int>(a1 - a0);
-    full = sq.S, last = 0;
-    for (int lane = 0; lane < L; ++lane) {
-      const int64_t a = a0 + std::min<int64_t>(lane, T.np - 1);  // idle lanes repeat the last pair
-      const int64_t i = a / g, hh = a % g;
-      T.row[lane] = static_cast<int>(i);
-      T.head[lane] = static_cast<int>(kv * g + hh);
-      const uint32_t* qr = reinterpret_cast<const uint32_t*>(qptr + (sq.row0 + i) * qs0 + (kv * g + hh) * qs1);
-      for (int d2 = 0; d2 < D / 2; ++d2) T.qp[d2][lane] = qr[d2];
-      T.m[lane] = -1e30f;
-      T.l[lane] = 0.f;
-      for (int d = 0; d < D; ++d) T.acc[d][lane] = 0.f;
-      full = std::min(full, sq.mask ? sq.past : sq.reach(i));
-      last = std::max(last, sq.reach(i));
-    }
-    return si;
+  auto group_tiles = [&](int64_t grp, int64_t& t0, int64_t& count) {
+    const size_t si = seq_of(grp0, grp);
+    const int64_t glocal = grp - grp0[si], kv = glocal / groups[si], first = (glocal % groups[si]) * GT;
+    t0 = tile0[si] + kv * tiles[si] + first;
+    count = std::min(GT, tiles[si] - first);
   };
-  auto write = [&](const Seq& sq, const Tile<D>& T, const float* l, const float* acc) {
-    for (int lane = 0; lane < T.np; ++lane) {
-      uint16_t* o = op + (sq.row0 + T.row[lane]) * ldo + T.head[lane] * D;
-      const float inv = l[lane] > 0.f ? 1.0f / l[lane] : 0.f;
-      for (int d = 0; d < D; ++d) o[d] = c10::BFloat16(acc[d * L + lane] * inv).x;
-    }
-  };
-  at::parallel_for(0, ngroups * parts, 1, [&](int64_t b, int64_t e) {
-    std::vector<std::unique_ptr<Tile<D>>> Ts;
-    for (int i = 0; i < GT; ++i) Ts.push_back(std::make_unique<Tile<D>>());
-    alignas(64) uint16_t lanes[KJ];
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t grp = t / parts, part = t % parts;
-      const size_t si = seq_of(grp0, grp);
-      const Seq& sq = seqs[si];
-      const int64_t glocal = grp - grp0[si], kv = glocal / groups[si], first = (glocal % groups[si]) * GT;
-      const int64_t count = std::min(GT, tiles[si] - first);
-      int64_t full[GT], last[GT], group_last = 0;
-      for (int64_t c = 0; c < count; ++c) {
-        tile_rows(tile0[si] + kv * tiles[si] + first + c, *Ts[c], full[c], last[c]);
-        group_last = std::max(group_last, last[c]);
-      }
-      const int64_t nblk = (sq.S + KJ - 1) / KJ;
-      const uint32_t* vseq = vpack.get() + (blk0[si] + kv * nblk) * blk_words;
-      const int64_t last_blk = (group_last + KJ - 1) / KJ;
-      const int64_t begin = last_blk * part / parts, end = last_blk * (part + 1) / parts;
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t j0 = blk * KJ;
-        const int nb = static_cast<int>(std::min<int64_t>(KJ, sq.S - j0));
-        const uint16_t* kblk = sq.kb + kv * sq.ks0 + j0 * sq.ks1;
+  const bool few = ngroups < 4 * threads && ntiles * longest * sblk * 4 <= (int64_t(64) << 20);
+  if (!few) {  // many groups (prefill chunks, big trees, batches): a task runs a group's three passes
+    at::parallel_for(0, ngroups, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf;
+      alignas(64) float mx[GT][L], acc[D * L], l[L];
+      for (int64_t grp = b; grp < e; ++grp) {
+        int64_t t0, count;
+        group_tiles(grp, t0, count);
+        int64_t nmax = 0;
+        for (int64_t c = 0; c < count; ++c) nmax = std::max(nmax, info[t0 + c].nblk);
+        buf.resize(static_cast<size_t>(count * nmax * sblk));
+        for (int64_t c = 0; c < count; ++c) std::fill(mx[c], mx[c] + L, -std::numeric_limits<float>::infinity());
+        scores(t0, count, 0, nmax, [&](int64_t tile, int64_t blk) { return buf.data() + ((tile - t0) * nmax + blk) * sblk; },
+               [&](int64_t tile) { return mx[tile - t0]; });
         for (int64_t c = 0; c < count; ++c) {
-          Tile<D>& T = *Ts[c];
-          if (j0 >= last[c]) continue;  // past every key this tile's rows see
-          const uint16_t* lp = nullptr;
-          if (j0 + KJ > full[c]) {  // the edge: each key's lanes that see it
-            for (int jj = 0; jj < KJ; ++jj) {
-              uint16_t bits = 0;
-              if (jj < nb)
-                for (int lane = 0; lane < L; ++lane)
-                  if (sq.visible(T.row[lane], j0 + jj)) bits |= static_cast<uint16_t>(1u << lane);
-              lanes[jj] = bits;
-            }
-            lp = lanes;
-          }
-          tile_block<D>(T, kblk, sq.ks1, vseq + blk * blk_words, nb, lp, scale);
+          float* s = buf.data() + c * nmax * sblk;
+          for (int64_t blk = 0; blk < info[t0 + c].nblk; ++blk) tile_probs(s + blk * sblk, mx[c]);
+          const uint32_t* pp = reinterpret_cast<const uint32_t*>(s);
+          for (int d0 = 0; d0 < D; d0 += 16)
+            tile_values<D>(pp, sblk, vals_of(t0 + c), info[t0 + c].nblk, d0, acc, d0 == 0 ? l : nullptr);
+          write(t0 + c, l, acc);
         }
       }
-      for (int64_t c = 0; c < count; ++c) {
-        const Tile<D>& T = *Ts[c];
-        const int64_t tile = tile0[si] + kv * tiles[si] + first + c, slot = tile * parts + part;
-        if (parts == 1) {
-          write(sq, T, T.l, &T.acc[0][0]);
-        } else {
-          std::memcpy(pm.data() + slot * L, T.m, sizeof(float) * L);
-          std::memcpy(pl.data() + slot * L, T.l, sizeof(float) * L);
-          std::memcpy(pacc.data() + slot * D * L, &T.acc[0][0], sizeof(float) * D * L);
-        }
-      }
+    });
+    return;
+  }
+  // Few groups (a plain step, a small tree): the passes are split further so that every thread has work,
+  // scores by key ranges, values by ranges of dims, through one buffer [tile][block][KJ][L].
+  constexpr int64_t RB = 32;  // blocks per score task
+  const int64_t nranges = (longest + RB - 1) / RB;
+  std::vector<float> buf(static_cast<size_t>(ntiles * longest * sblk));
+  std::vector<float> rmax(static_cast<size_t>(ntiles * nranges * L), -std::numeric_limits<float>::infinity());
+  auto sp = [&](int64_t tile, int64_t blk) { return buf.data() + (tile * longest + blk) * sblk; };
+  at::parallel_for(0, ngroups * nranges, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      int64_t t0, count;
+      group_tiles(t / nranges, t0, count);
+      const int64_t r = t % nranges;
+      scores(t0, count, r * RB, std::min(longest, (r + 1) * RB), sp,
+             [&](int64_t tile) { return rmax.data() + (tile * nranges + r) * L; });
     }
   });
-  if (parts == 1) return;
-  at::parallel_for(0, base, 1, [&](int64_t b, int64_t e) {  // merge each tile's parts
-    auto T = std::make_unique<Tile<D>>();
-    std::vector<float> acc(D * L);
-    for (int64_t tile = b; tile < e; ++tile) {
-      int64_t full, last;
-      const Seq& sq = seqs[tile_rows(tile, *T, full, last)];
-      alignas(64) float M[L], l[L];
-      for (int lane = 0; lane < L; ++lane) {
-        M[lane] = -1e30f;
-        for (int64_t p = 0; p < parts; ++p) M[lane] = std::max(M[lane], pm[(tile * parts + p) * L + lane]);
-        l[lane] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t t = tile * parts + p;
-        for (int lane = 0; lane < L; ++lane) {
-          const float w = std::exp(pm[t * L + lane] - M[lane]);
-          l[lane] += pl[t * L + lane] * w;
-          for (int d = 0; d < D; ++d) acc[d * L + lane] += pacc[(t * D + d) * L + lane] * w;
-        }
-      }
-      write(sq, *T, l, acc.data());
+  std::vector<float> mx(static_cast<size_t>(ntiles * L));
+  for (int64_t tile = 0; tile < ntiles; ++tile)
+    for (int lane = 0; lane < L; ++lane) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t r = 0; r < nranges; ++r) m = std::max(m, rmax[(tile * nranges + r) * L + lane]);
+      mx[tile * L + lane] = m;
     }
+  at::parallel_for(0, ntiles * nranges, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t tile = t / nranges, r = t % nranges;
+      for (int64_t blk = r * RB; blk < std::min(info[tile].nblk, (r + 1) * RB); ++blk) tile_probs(sp(tile, blk), &mx[tile * L]);
+    }
+  });
+  constexpr int64_t DG = D / 16;
+  std::vector<float> acc(static_cast<size_t>(ntiles * D * L)), lsum(static_cast<size_t>(ntiles * L));
+  at::parallel_for(0, ntiles * DG, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t tile = t / DG, d0 = (t % DG) * 16;
+      tile_values<D>(reinterpret_cast<const uint32_t*>(sp(tile, 0)), sblk, vals_of(tile), info[tile].nblk,
+                     static_cast<int>(d0), &acc[tile * D * L], d0 == 0 ? &lsum[tile * L] : nullptr);
+    }
+  });
+  at::parallel_for(0, ntiles, 16, [&](int64_t b, int64_t e) {
+    for (int64_t tile = b; tile < e; ++tile) write(tile, &lsum[tile * L], &acc[tile * D * L]);
   });
 }
 
