@@ -112,15 +112,20 @@ def test_an_outside_observer_sees_the_same_records_through_generate_and_both_ser
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["hybrid", "batched-hybrid", "cost-aware-hybrid"])
-def test_a_seed_gives_the_same_text_alone_among_others_and_by_plain_decoding(name):
+def test_a_seed_gives_the_same_text_alone_among_others_and_by_plain_decoding(name, dtype):
     """Seeded sampled requests, each sent alone and again among others (a batch of 4 lanes, other
-    seeds beside it) through ``name`` in float32: the same tokens each time, and the same as the
-    ``ar`` config (plain decoding: no tree at all) gives for that seed."""
+    seeds beside it) through ``name``: the same tokens each time, and the same as the ``ar`` config
+    (plain decoding: no tree at all) gives for that seed. In float32 (transformers' forward) and in
+    bfloat16 where the batch-invariant kernels build (AVX512-BF16: attention and the fixed-order linear)."""
     from adaptivespec.batch import BatchEngine
     from adaptivespec.decode import Engine
+    from adaptivespec.fastpath import native
 
-    over = ["runtime.dtype=float32", "generation.temperature=0.8", "generation.top_k=50"]
+    if dtype == "bfloat16" and (native.attention_ops() is None or native.linear_ops() is None):
+        pytest.skip(f"bf16 is batch-invariant only with the bf16 kernels: {native.attention_why_not()}")
+    over = [f"runtime.dtype={dtype}", "generation.temperature=0.8", "generation.top_k=50"]
     config = load_config(ROOT / "configs" / f"{name}.yaml", over)
     plain = Engine(load_config(ROOT / "configs" / "ar.yaml", over))
     prompts = [plain.encode(p) for p in PROMPTS[:4]]

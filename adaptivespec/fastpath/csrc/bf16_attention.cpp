@@ -5,7 +5,8 @@
 //              (a cache layer's buffers: strided over heads and keys, unit stride in D), `past`,
 //              visibility: row i sees keys [0, past) and, beyond them, key past + j where
 //              mask[i][j] (a tree, mask [n, S - past]), or where j <= i (causal, no mask, causal=true),
-//              or every key (no mask, causal=false)  -> out [n, H * D] bf16.
+//              or every key (no mask, causal=false)  -> out [n, H * D] bf16. Keys a row sees lie in
+//              ascending order of position (a tree's ancestors before their descendants).
 // attend_slab  the same for several requests' packed rows, each over its own slot of a slab of caches.
 //
 // Why: torch's CPU flash attention spends ~1.5 ns per score (row x head x key) on a 2-vCPU AMD EPYC,
@@ -14,10 +15,15 @@
 // lane, a KV head's query heads folded into its rows (the cache is read once for all of them); the
 // keys are read in place (a key's two dims broadcast against the pairs' queries, VDPBF16PS), the
 // values are packed once per call as key pairs per dim; scores are summed in float32 from exact bf16
-// products, the softmax is online and lane by lane (float32), and the probabilities are rounded to
-// bf16 for the value product, as torch's kernel rounds them. The prefix every row sees is processed
-// without a mask; only the blocks that hold the tree or the causal edge are masked (the cascade of
-// Hydragen / FlashInfer, in one pass).
+// products, and the probabilities are rounded to bf16 for the value product, as torch's kernel rounds
+// them. The prefix every row sees is read without a mask; only the blocks that hold the tree or the
+// causal edge are masked (the cascade of Hydragen / FlashInfer, in one kernel).
+//
+// Batch-invariant: a lane's softmax takes its exact maximum first and then sums its keys one by one in
+// ascending order (no running maximum to rescale by, no key ranges merged), so its bits depend on its
+// own visible keys alone, never on the rows, blocks, tasks or threads beside it (see Tile below). With
+// the fixed-order linear (bf16_linear.cpp) this makes the bf16 forward's row for a token the same in a
+// tree, a prefill chunk, one row's step or a batch: the ground a seed's sampled tokens stand on.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

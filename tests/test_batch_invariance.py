@@ -1,0 +1,117 @@
+"""The bfloat16 forward is batch-invariant where the CPU has AVX512-BF16: a token's logits have the same
+bits whether its row runs alone, in a prefill chunk, in a tree among siblings or beside other requests.
+
+The pieces: the fixed-order linear (``fastpath/csrc/bf16_linear.cpp``) against float32 and against
+itself at every row count; the probe that sends a shape to it when oneDNN rounds a row by its
+neighbours; the fused forward with every linear on it (the probe forced) and with the probe's own
+choice. The attention kernel's own invariance: tests/test_attention_kernel.py. Seeds through the
+engines on the real model in bfloat16: tests/test_one_engine.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptivespec.fastpath import native, prepack
+from adaptivespec.fastpath.forward import FastLlama
+from adaptivespec.fastpath.kvcache import buffered_cache
+
+from test_fastforward import needs_prepack, tiny
+
+LINEAR = native.linear_ops()
+ATTENTION = native.attention_ops()
+pytestmark = pytest.mark.skipif(LINEAR is None or ATTENTION is None,
+                                reason=f"no bf16 kernels here: {native.attention_why_not()}")
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (960, 576), (70, 33), (16, 2)])
+def test_the_fixed_order_linear_matches_float32_and_gives_each_row_one_result(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(70, k, generator=gen).bfloat16()
+    packed = LINEAR.pack_linear(w)
+    got = LINEAR.linear_bf16(x, packed, n, bias)
+    ref = x.float() @ w.float().T + bias
+    assert got.dtype == torch.bfloat16 and got.shape == (70, n)
+    torch.testing.assert_close(got.float(), ref, rtol=0.01, atol=0.01)
+    alone = torch.cat([LINEAR.linear_bf16(x[i:i + 1], packed, n, bias) for i in range(70)])
+    for m in (2, 3, 5, 7, 13, 24, 70):
+        assert torch.equal(LINEAR.linear_bf16(x[:m], packed, n, bias), alone[:m]), f"{m} rows"
+    strided = torch.zeros(70, k + 6, dtype=torch.bfloat16)[:, 2:k + 2]  # a view: rows apart by more than k
+    strided.copy_(x)
+    assert torch.equal(LINEAR.linear_bf16(strided, packed, n, bias), alone)
+
+
+def test_a_shape_oneDNN_rounds_by_row_count_goes_to_the_fixed_kernel(monkeypatch):
+    w = torch.randn(48, 64).bfloat16()
+    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: False)
+    fixed = prepack.PackedWeight(w, None, None, invariant=True)
+    assert fixed.fixed is not None
+    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: True)
+    assert prepack.PackedWeight(w, None, None, invariant=True).fixed is None
+    assert prepack.PackedWeight(w, None, None).fixed is None  # not asked: oneDNN as before
+    x = torch.randn(9, 64).bfloat16()
+    torch.testing.assert_close(fixed(x).float(), x.float() @ w.float().T, rtol=0.01, atol=0.02)
+
+
+def test_the_probe_finds_a_shape_invariant_or_not_by_comparing_rows():
+    verdict = prepack.onednn_rows_invariant(96, 64)
+    assert isinstance(verdict, bool)
+    assert prepack._VERDICTS[(96, 64, torch.get_num_threads())] is verdict  # once per shape and thread count
+
+
+@torch.inference_mode()
+def _logits_three_ways(ff, model):
+    """A 24-token sequence's logits: one prefill; chunks of 10 and 7 then one token at a time; and a
+    prefill of 14 then a tree in which the sequence's next 5 tokens are a chain among 4 siblings."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 320, (1, 24))
+    whole = ff(input_ids=ids, cache=buffered_cache(model.config, capacity=64), use_cache=True).logits[0]
+    cache = buffered_cache(model.config, capacity=64)
+    parts = [ff(input_ids=ids[:, :10], cache=cache, use_cache=True).logits[0],
+             ff(input_ids=ids[:, 10:17], cache=cache, use_cache=True).logits[0]]
+    parts += [ff(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0] for i in range(17, 24)]
+    steps = torch.cat(parts)
+    cache = buffered_cache(model.config, capacity=64)
+    ff(input_ids=ids[:, :14], cache=cache, use_cache=True)
+    # nodes: chain c0..c4 (tokens 14..18) with a sibling beside each of c0, c1, c3 and a child of a sibling
+    parents = [-1, -1, 0, 0, 2, 4, 4, 5, 3]
+    chain = [0, 2, 4, 5, 7]
+    tokens = torch.randint(0, 320, (len(parents),))
+    tokens[chain] = ids[0, 14:19]
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            allowed[i, j] = True
+            j = parents[j]
+    allowed[1, 0] = False  # node 1 is a second root (a sibling of c0)
+    mask = torch.zeros(1, 1, n, 14 + n, dtype=torch.bfloat16)
+    mask[0, 0, :, 14:].masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
+    depth = allowed.sum(1) - 1
+    tree = ff(input_ids=tokens[None], attention_mask=mask, position_ids=(14 + depth)[None], cache=cache,
+              use_cache=True).logits[0]
+    return whole, steps, tree[chain]
+
+
+def test_the_forward_gives_a_token_the_same_logits_however_it_is_batched(monkeypatch):
+    model = tiny()
+    needs_prepack(model)
+    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: False)  # every linear on the fixed kernel
+    ff = FastLlama(model, sgl=None)
+    assert ff.kernel is not None and ff.layers[0].down.fixed is not None
+    whole, steps, tree = _logits_three_ways(ff, model)
+    assert torch.equal(whole, steps)
+    assert torch.equal(whole[14:19], tree)
+
+
+def test_with_the_probes_own_choice_the_forward_is_batch_invariant_too():
+    model = tiny()
+    needs_prepack(model)
+    ff = FastLlama(model, sgl=None)
+    whole, steps, tree = _logits_three_ways(ff, model)
+    assert torch.equal(whole, steps)
+    assert torch.equal(whole[14:19], tree)
