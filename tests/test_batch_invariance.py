@@ -46,20 +46,31 @@ def test_the_fixed_order_linear_matches_float32_and_gives_each_row_one_result(n,
 
 def test_a_shape_oneDNN_rounds_by_row_count_goes_to_the_fixed_kernel(monkeypatch):
     w = torch.randn(48, 64).bfloat16()
-    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: False)
+    monkeypatch.setattr(prepack, "rows_invariant", lambda matmul, backend, k: False)
     fixed = prepack.PackedWeight(w, None, None, invariant=True)
     assert fixed.fixed is not None
-    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: True)
+    monkeypatch.setattr(prepack, "rows_invariant", lambda matmul, backend, k: True)
     assert prepack.PackedWeight(w, None, None, invariant=True).fixed is None
     assert prepack.PackedWeight(w, None, None).fixed is None  # not asked: oneDNN as before
     x = torch.randn(9, 64).bfloat16()
     torch.testing.assert_close(fixed(x).float(), x.float() @ w.float().T, rtol=0.01, atol=0.02)
 
 
-def test_the_probe_finds_a_shape_invariant_or_not_by_comparing_rows():
-    verdict = prepack.onednn_rows_invariant(96, 64)
+def test_the_probe_finds_a_matmul_invariant_or_not_by_comparing_rows():
+    w = torch.randn(96, 64).bfloat16()
+    onednn = prepack.PackedWeight(w)
+    verdict = prepack.rows_invariant(onednn, "onednn", 64)
     assert isinstance(verdict, bool)
-    assert prepack._VERDICTS[(96, 64, torch.get_num_threads())] is verdict  # once per shape and thread count
+    assert prepack._VERDICTS[("onednn", 96, 64, torch.get_num_threads())] is verdict  # once per shape, threads
+
+    class RowCount:  # a matmul that rounds by the number of rows: found out
+        out_features = 96
+
+        def __call__(self, x):
+            return onednn(x) + (x.shape[0] > 11) * 0.5
+
+    assert prepack.rows_invariant(RowCount(), "test-rowcount", 64) is False
+    assert prepack.rows_invariant(prepack.PackedWeight(w.T.contiguous().T.contiguous()), "test-onednn", 64) is verdict
 
 
 @torch.inference_mode()
@@ -100,7 +111,7 @@ def _logits_three_ways(ff, model):
 def test_the_forward_gives_a_token_the_same_logits_however_it_is_batched(monkeypatch):
     model = tiny()
     needs_prepack(model)
-    monkeypatch.setattr(prepack, "onednn_rows_invariant", lambda n, k: False)  # every linear on the fixed kernel
+    monkeypatch.setattr(prepack, "rows_invariant", lambda matmul, backend, k: False)  # every linear: the fixed kernel
     ff = FastLlama(model, sgl=None)
     assert ff.kernel is not None and ff.layers[0].down.fixed is not None
     whole, steps, tree = _logits_three_ways(ff, model)

@@ -36,10 +36,15 @@ from pathlib import Path
 DISABLE_ENV = "ADAPTIVESPEC_NO_NATIVE"
 ATTENTION_ENV = "ADAPTIVESPEC_NO_ATTENTION_KERNEL"
 SOURCE = Path(__file__).parent / "csrc" / "int8_ops.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+OPENMP = "-fopenmp"
+"""``at::parallel_for`` is a header: compiled without OpenMP it runs every task on the calling thread (the
+kernels here ran on one core of two until 2026-12-07). With it, the tasks go to torch's own OpenMP
+threads (the symbols resolve through libtorch's libgomp; no second runtime is linked). A compiler
+without OpenMP builds the kernels without it (one thread) rather than not at all."""
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", OPENMP]
 """``-ffp-contract=off``: a multiply and an add stay two roundings, as in torch's ops (the fallback)."""
 ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "bf16_attention.cpp"
-ATTENTION_FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+ATTENTION_FLAGS = ["-O3", "-march=native", "-fno-math-errno", OPENMP]
 LINEAR_ENV = "ADAPTIVESPEC_NO_LINEAR_KERNEL"
 LINEAR_SOURCE = Path(__file__).parent / "csrc" / "bf16_linear.cpp"
 
@@ -127,8 +132,17 @@ def _build(name: str, source: Path, flags: list[str]):
         folder.mkdir(exist_ok=True)
         if not any(folder.glob("*.so")) and sys.stderr.isatty():  # the first use on this CPU: say why it pauses
             print(f"adaptivespec: compiling {source.name} for this CPU (once, ~20 s)", file=sys.stderr, flush=True)
-        module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
-                          verbose=False)
+        try:
+            module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
+                              verbose=False)
+        except Exception:  # noqa: BLE001 - e.g. no OpenMP in this compiler: one thread rather than none
+            if OPENMP not in flags:
+                raise
+            serial = folder.parent / f"{name}_serial"
+            serial.mkdir(exist_ok=True)
+            module = ext.load(name=f"{name}_serial", sources=[str(source)], extra_cflags=[f for f in flags if f != OPENMP],
+                              build_directory=str(serial), verbose=False)
+            log.warning("adaptivespec: %s built without OpenMP: its kernels run on one thread", source.name)
         return module, None
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path runs
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

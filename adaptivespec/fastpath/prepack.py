@@ -44,8 +44,8 @@ class PackedWeight:
     With ``sgl`` (:func:`sgl_ops`), SGLang's AMX ``weight_packed_linear``: at one to a few rows its
     fixed cost per call is a third of oneDNN's (~10 vs ~30 us for 576 x 576 on the 2-vCPU Xeon).
     Shapes it refuses (its blocks need e.g. a multiple of 32 output features) fall back to oneDNN.
-    With ``invariant`` (bf16, no ``sgl``), a shape whose oneDNN matmul rounds a row by the rows beside it
-    (:func:`onednn_rows_invariant`) runs the fixed-order kernel instead, where it builds."""
+    With ``invariant`` (bf16), a weight whose matmul (SGLang's or oneDNN's) rounds a row by the rows
+    beside it (:func:`rows_invariant`) runs the fixed-order kernel instead, where it builds."""
 
     __slots__ = ("packed", "bias", "sgl", "fixed", "out_features")
 
@@ -54,12 +54,15 @@ class PackedWeight:
         bias = None if bias is None else bias.detach()
         self.sgl = self.fixed = None
         self.out_features = weight.shape[0]
-        if invariant and sgl is None and weight.dtype == torch.bfloat16:
+        self._pack(weight, bias, sgl)
+        if invariant and weight.dtype == torch.bfloat16:
             ops = linear_ops()
-            if ops is not None and not onednn_rows_invariant(weight.shape[0], weight.shape[1]):
-                self.fixed, self.packed = ops, ops.pack_linear(weight)
+            backend = "sgl_kernel" if self.sgl is not None else "onednn"
+            if ops is not None and not rows_invariant(self, backend, weight.shape[1]):
+                self.sgl, self.fixed, self.packed = None, ops, ops.pack_linear(weight)
                 self.bias = None if bias is None else bias.float().contiguous()
-                return
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, sgl) -> None:
         if sgl is not None:
             try:
                 packed = sgl.convert_weight_packed(weight)
@@ -80,26 +83,24 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-_VERDICTS: dict[tuple[int, int, int], bool] = {}
+_VERDICTS: dict[tuple[str, int, int, int], bool] = {}
 
 
 @torch.no_grad()
-def onednn_rows_invariant(out_features: int, in_features: int) -> bool:
-    """Whether oneDNN's prepacked bf16 matmul of this shape gives a row the same bits in a call of any
-    number of rows (1-40, 64, 96, 256) as alone, at the current thread count: a probe on random rows,
-    once per shape and thread count in a process. On a 2-vCPU AMD EPYC it holds for SmolLM2's 576-wide
-    inputs and fails for its down projection (1536 wide: rows from the 12th of a call on differ), whose
-    weight then goes to the fixed-order kernel (:func:`adaptivespec.fastpath.native.linear_ops`)."""
-    key = (out_features, in_features, torch.get_num_threads())
+def rows_invariant(matmul, backend: str, in_features: int) -> bool:
+    """Whether ``matmul`` (a weight's bf16 kernel: ``backend`` "onednn" or "sgl_kernel") gives a row the
+    same bits in a call of any number of rows (2-40, 64, 96, 256) as alone, at the current thread count:
+    a probe on random rows, once per backend, shape and thread count in a process (the kernels choose
+    their blocking by shape, rows and threads, never by the weight's values). On a 2-vCPU AMD EPYC
+    oneDNN's holds for SmolLM2's 576-wide inputs and fails for its down projection (1536 wide: from
+    the 12th row of a call on, rows differ), which then runs the fixed-order kernel
+    (:func:`adaptivespec.fastpath.native.linear_ops`)."""
+    key = (backend, matmul.out_features, in_features, torch.get_num_threads())
     if key not in _VERDICTS:
-        gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
-        w = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).bfloat16()
+        gen = torch.Generator().manual_seed(7919 * matmul.out_features + in_features)
         x = torch.randn(256, in_features, generator=gen).bfloat16()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        run = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # noqa: E731
-        alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
-        sizes = [*range(2, 41), 64, 96, 256]
-        _VERDICTS[key] = all(torch.equal(run(x[:m]), alone[:m]) for m in sizes)
+        alone = torch.cat([matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        _VERDICTS[key] = all(torch.equal(matmul(x[:m]), alone[:m]) for m in [*range(2, 41), 64, 96, 256])
     return _VERDICTS[key]
 
 

@@ -212,8 +212,15 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   auto seq_of = [](const std::vector<int64_t>& starts, int64_t t) {
     return static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), t) - starts.begin() - 1);
   };
+  // A tiny call (one row over a few hundred keys: < 64 tile-blocks) runs on the calling thread, where
+  // waking the other costs what it would save (one row over 300 keys: 1.04x the time on two threads;
+  // from 8 tree rows at 300 keys on, two threads take 0.6-0.85x the time of one).
+  int64_t work = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) work += Hkv * tiles[s] * ((seqs[s].S + KJ - 1) / KJ);
+  const int64_t one = std::numeric_limits<int64_t>::max() / 4;  // a grain no call reaches: one thread
+  const int64_t g1 = work < 64 ? one : 1, g16 = work < 64 ? one : 16;
   std::unique_ptr<uint32_t[]> vpack(new uint32_t[blk0.back() * blk_words]);
-  at::parallel_for(0, blk0.back(), 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, blk0.back(), g16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const Seq& q = seqs[seq_of(blk0, t)];
       const int64_t local = t - blk0[seq_of(blk0, t)], nblk = (q.S + KJ - 1) / KJ;
@@ -227,7 +234,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   const int64_t ntiles = tile0.back();
   std::vector<Info> info(ntiles);
   std::vector<Tile<D>> T(ntiles);
-  at::parallel_for(0, ntiles, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ntiles, g16, [&](int64_t b, int64_t e) {
     for (int64_t tile = b; tile < e; ++tile) {
       const size_t si = seq_of(tile0, tile);
       const Seq& sq = seqs[si];
@@ -311,7 +318,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   };
   const bool few = ngroups < 4 * threads && ntiles * longest * sblk * 4 <= (int64_t(64) << 20);
   if (!few) {  // many groups (prefill chunks, big trees, batches): a task runs a group's three passes
-    at::parallel_for(0, ngroups, 1, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, ngroups, g1, [&](int64_t b, int64_t e) {
       std::vector<float> buf;
       alignas(64) float mx[GT][L], acc[D * L], l[L];
       for (int64_t grp = b; grp < e; ++grp) {
@@ -342,7 +349,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   std::vector<float> buf(static_cast<size_t>(ntiles * longest * sblk));
   std::vector<float> rmax(static_cast<size_t>(ntiles * nranges * L), -std::numeric_limits<float>::infinity());
   auto sp = [&](int64_t tile, int64_t blk) { return buf.data() + (tile * longest + blk) * sblk; };
-  at::parallel_for(0, ngroups * nranges, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ngroups * nranges, g1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       int64_t t0, count;
       group_tiles(t / nranges, t0, count);
@@ -358,7 +365,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
       for (int64_t r = 0; r < nranges; ++r) m = std::max(m, rmax[(tile * nranges + r) * L + lane]);
       mx[tile * L + lane] = m;
     }
-  at::parallel_for(0, ntiles * nranges, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ntiles * nranges, g1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t tile = t / nranges, r = t % nranges;
       for (int64_t blk = r * RB; blk < std::min(info[tile].nblk, (r + 1) * RB); ++blk) tile_probs(sp(tile, blk), &mx[tile * L]);
@@ -366,14 +373,14 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   });
   constexpr int64_t DG = D / 16;
   std::vector<float> acc(static_cast<size_t>(ntiles * D * L)), lsum(static_cast<size_t>(ntiles * L));
-  at::parallel_for(0, ntiles * DG, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ntiles * DG, g1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t tile = t / DG, d0 = (t % DG) * 16;
       tile_values<D>(reinterpret_cast<const uint32_t*>(sp(tile, 0)), sblk, vals_of(tile), info[tile].nblk,
                      static_cast<int>(d0), &acc[tile * D * L], d0 == 0 ? &lsum[tile * L] : nullptr);
     }
   });
-  at::parallel_for(0, ntiles, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ntiles, g16, [&](int64_t b, int64_t e) {
     for (int64_t tile = b; tile < e; ++tile) write(tile, &lsum[tile * L], &acc[tile * D * L]);
   });
 }

@@ -11,8 +11,8 @@
 // beside it. Here each output is acc = sum over k in order, one VDPBF16PS per input pair (the odd
 // feature's product added first, then the even one's: two float32 roundings, exact bf16 products),
 // from the row's own features only; how many rows a call has decides how they are tiled, never how
-// an output is summed. Rows come 4 at a time against 4 blocks of 16 outputs (16 accumulators, each
-// weight vector loaded once per 4 rows).
+// an output is summed. Rows come 6 at a time against 4 blocks of 16 outputs (24 accumulators), the
+// inputs in blocks of 96 (the weights' block stays in L1 for every row group of a task).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -26,16 +26,23 @@ namespace {
 
 #if defined(ADAPTIVESPEC_BF16_LINEAR)
 
-// R rows (1-6) x 64 outputs (4 blocks of 16) over K2 input pairs; x rows `ldx` 32-bit words apart. The
-// 24 accumulators are named registers (an array of them was kept in memory by the compiler).
+// R rows (1-6) x 64 outputs (4 blocks of 16) over input pairs [k0, k1); x rows `ldx` 32-bit words apart.
+// The 24 accumulators are named registers (an array of them was kept in memory by the compiler). They
+// start from acc [R][64] (float32: the sums of the pairs before k0, stored exactly) unless `first`, and
+// end there, or, with `last`, + bias rounded to bf16 into y: one output's sum is the same sequence of
+// roundings however the pairs are cut into blocks.
 template <int R>
-inline void micro(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t K2, const float* bias, int64_t n0,
-                  int64_t N, uint16_t* y, int64_t ldy) {
-  const __m512 z = _mm512_setzero_ps();
-  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
-  __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
-  __m512 a40 = z, a41 = z, a42 = z, a43 = z, a50 = z, a51 = z, a52 = z, a53 = z;
-  for (int64_t k2 = 0; k2 < K2; ++k2) {
+inline void micro(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t k0, int64_t k1, float* acc, bool first,
+                  bool last, const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t ldy) {
+#define ADAPTIVESPEC_INIT(r, b) __m512 a##r##b = first || (r) >= R ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (r) * 64 + (b) * 16);
+  ADAPTIVESPEC_INIT(0, 0) ADAPTIVESPEC_INIT(0, 1) ADAPTIVESPEC_INIT(0, 2) ADAPTIVESPEC_INIT(0, 3)
+  ADAPTIVESPEC_INIT(1, 0) ADAPTIVESPEC_INIT(1, 1) ADAPTIVESPEC_INIT(1, 2) ADAPTIVESPEC_INIT(1, 3)
+  ADAPTIVESPEC_INIT(2, 0) ADAPTIVESPEC_INIT(2, 1) ADAPTIVESPEC_INIT(2, 2) ADAPTIVESPEC_INIT(2, 3)
+  ADAPTIVESPEC_INIT(3, 0) ADAPTIVESPEC_INIT(3, 1) ADAPTIVESPEC_INIT(3, 2) ADAPTIVESPEC_INIT(3, 3)
+  ADAPTIVESPEC_INIT(4, 0) ADAPTIVESPEC_INIT(4, 1) ADAPTIVESPEC_INIT(4, 2) ADAPTIVESPEC_INIT(4, 3)
+  ADAPTIVESPEC_INIT(5, 0) ADAPTIVESPEC_INIT(5, 1) ADAPTIVESPEC_INIT(5, 2) ADAPTIVESPEC_INIT(5, 3)
+#undef ADAPTIVESPEC_INIT
+  for (int64_t k2 = k0; k2 < k1; ++k2) {
     const uint32_t* wk = w + k2 * 64;  // the chunk's 64 outputs for this input pair, contiguous
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 16),
                    w2 = (__m512bh)_mm512_loadu_si512(wk + 32), w3 = (__m512bh)_mm512_loadu_si512(wk + 48);
@@ -56,6 +63,10 @@ inline void micro(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t K2,
 #undef ADAPTIVESPEC_ROW
   }
   auto put = [&](int r, int b, __m512 v) {
+    if (!last) {
+      _mm512_storeu_ps(acc + r * 64 + b * 16, v);
+      return;
+    }
     const int64_t o = n0 + b * 16, valid = std::min<int64_t>(16, N - o);
     if (valid <= 0) return;
     const __mmask16 mk = static_cast<__mmask16>((1u << valid) - 1);
@@ -70,17 +81,27 @@ inline void micro(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t K2,
   if constexpr (R > 5) put(5, 0, a50), put(5, 1, a51), put(5, 2, a52), put(5, 3, a53);
 }
 
-inline void rows_block(int64_t rows, const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t K2, const float* bias,
-                       int64_t n0, int64_t N, uint16_t* y, int64_t ldy) {
-  int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) micro<6>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy);
-  switch (rows - r) {
-    case 5: micro<5>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy); break;
-    case 4: micro<4>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy); break;
-    case 3: micro<3>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy); break;
-    case 2: micro<2>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy); break;
-    case 1: micro<1>(x + r * ldx, ldx, w, K2, bias, n0, N, y + r * ldy, ldy); break;
-    default: break;
+// rows [0, rows) x one chunk of 64 outputs: input pairs in blocks of KB (the chunk's weights for a block,
+// KB x 256 bytes, stay in L1 while every 6-row group passes), partial sums in acc [rows][64]
+constexpr int64_t KB = 48;
+inline void rows_block(int64_t rows, const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t K2, float* acc,
+                       const float* bias, int64_t n0, int64_t N, uint16_t* y, int64_t ldy) {
+  for (int64_t k0 = 0; k0 < K2; k0 += KB) {
+    const int64_t k1 = std::min(K2, k0 + KB);
+    const bool first = k0 == 0, last = k1 == K2;
+    for (int64_t r = 0; r < rows; r += 6) {
+      const uint32_t* xr = x + r * ldx;
+      float* ar = acc + r * 64;
+      uint16_t* yr = y + r * ldy;
+      switch (std::min<int64_t>(6, rows - r)) {
+        case 6: micro<6>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+        case 5: micro<5>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+        case 4: micro<4>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+        case 3: micro<3>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+        case 2: micro<2>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+        default: micro<1>(xr, ldx, w, k0, k1, ar, first, last, bias, n0, N, yr, ldy); break;
+      }
+    }
   }
 }
 #endif
@@ -130,21 +151,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t ldx = xc.stride(0) / 2;
   auto wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   auto yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // tasks: chunks of 64 outputs x chunks of rows (a chunk's weights, 64 x K bf16, stay in L2 while
-  // its row quads pass); rows are cut only where there are too few output chunks to share
-  constexpr int64_t NCH = 64;
-  const int64_t nch = (N + NCH - 1) / NCH, threads = at::get_num_threads();
-  const int64_t want = (4 * threads + nch - 1) / nch;  // row chunks for ~4 tasks per thread
-  const int64_t rchunk = std::min(M, std::max<int64_t>(16, ((M + want - 1) / want + 3) / 4 * 4));
-  const int64_t rch = (M + rchunk - 1) / rchunk;
+  // tasks: chunks of 64 outputs x chunks of up to 48 rows (their partial sums, 12 KB, beside the
+  // weights' block in L1); how a call is cut never changes how an output is summed
+  constexpr int64_t NCH = 64, RCH = 48;
+  const int64_t nch = (N + NCH - 1) / NCH, rch = (M + RCH - 1) / RCH;
   at::parallel_for(0, nch * rch, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float acc[RCH * 64];
     for (int64_t t = b; t < e; ++t) {
       const int64_t c = t % nch, rc = t / nch;
-      const int64_t n0 = c * NCH, r0 = rc * rchunk, rows = std::min(rchunk, M - r0);
-      const uint32_t* w = wp + (n0 / 64) * K2 * 64;
-      const uint32_t* xr = xp + r0 * ldx;
-      uint16_t* yr = yp + r0 * N;
-      rows_block(rows, xr, ldx, w, K2, bp, n0, N, yr, N);
+      const int64_t n0 = c * NCH, r0 = rc * RCH, rows = std::min(RCH, M - r0);
+      rows_block(rows, xp + r0 * ldx, ldx, wp + (n0 / 64) * K2 * 64, K2, acc, bp, n0, N, yp + r0 * N, N);
     }
   });
 #endif
