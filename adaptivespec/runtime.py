@@ -284,21 +284,29 @@ class TorchRuntime:
             self._set_root(self.drafter.step(*extension, None)[-1])
         self.advance(result)
 
-    def commit_target(self, tree: DraftTree, result: VerifyResult, hidden_states, fused: torch.Tensor | None = None):
+    def commit_target(self, tree: DraftTree, result: VerifyResult, hidden_states, fused: torch.Tensor | None = None,
+                      head_kv=None):
         """The target's half of :meth:`commit`: its cache keeps the accepted path; the drafter's drops
         the draft slots. Returns the drafter's extension ``(tokens [kept], states [kept, H],
         positions [kept])``: the accepted pairs (token[i+1], state[i]) to run through it (None
         without a drafter). ``fused``: the tree rows' drafter input states [n, H] when the caller
-        already has them (else fused from ``hidden_states`` here). Then :meth:`advance`."""
+        already has them (else fused from ``hidden_states`` here). ``head_kv``: the drafter's cache
+        when it is not the drafter's own (a batch lane's :class:`~adaptivespec.fastpath.batched.DraftKV`).
+        A plain row (the root alone) is already in place: nothing to compact. Then :meth:`advance`."""
         path = result.path
         kept = len(path)
-        idx = torch.tensor(path, dtype=torch.long, device=self.device)
-        compact_cache(self.cache, self.P, path, idx, tree.size)
+        plain = tree.size == 1
+        if not plain:
+            idx = torch.tensor(path, dtype=torch.long, device=self.device)
+            compact_cache(self.cache, self.P, path, idx, tree.size)
         if self.drafter is None:  # candidate sources alone: no drafter to extend
             return None
-        d = self.drafter
-        d.length = self.P
-        state = fused[idx] if fused is not None else d.fuse(hidden_states, idx)[0]  # [kept, H]
+        (head_kv or self.drafter).length = self.P  # the head's rows from P on are this step's
+        if plain and fused is not None:
+            state = fused[:1]
+        else:
+            idx = torch.tensor(path, dtype=torch.long, device=self.device)
+            state = fused[idx] if fused is not None else self.drafter.fuse(hidden_states, idx)[0]  # [kept, H]
         tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
         return tokens, state, self.P + torch.arange(kept, device=self.device)
 

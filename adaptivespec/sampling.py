@@ -190,10 +190,10 @@ class Sampler:
 def pick_next(sampler: Sampler | None, logits: torch.Tensor, position: int | None = None) -> torch.Tensor:
     """The runtime's next token from logits [V], the token of sequence position ``position``:
     the argmax without a sampler (or a greedy one), else the sampler's keyed choice there."""
-    if sampler is None or sampler.greedy:
-        return greedy_ids(logits)
-    sampler.at(position)
-    return sampler.choose(sampler.probs(logits.unsqueeze(0)), torch.zeros(1, dtype=torch.long, device=logits.device))[0]
+    if sampler is not None and not sampler.greedy:
+        sampler.at(position)
+        return sampler.choose(sampler.probs(logits.unsqueeze(0)), torch.zeros(1, dtype=torch.long, device=logits.device))[0]
+    return greedy_ids(logits)
 
 
 def root_stats(lp: torch.Tensor) -> list[float]:

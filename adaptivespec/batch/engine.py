@@ -291,7 +291,6 @@ class BatchEngine:
         read to their end give their first tokens; the head follows every request in one pass."""
         ended: list[Request] = []
         follow = read_prompts(plan.chunks, first_logits, fused, self.device)  # the head's rows: (lane, tokens, states, positions)
-        greedy = self.runner.greedy_rows(items, logits)
         for it in items:
             r = it.request
             lane = r.lane
@@ -299,27 +298,20 @@ class BatchEngine:
             s, t = it.rows
             tree = it.tree
             rows = logits[it.logit:it.logit + tree.size]
-            if it.proposal is None:  # a plain row: picked as Engine.ar_step picks (the same token for a seed)
-                tok = greedy.get(id(it))
-                if tok is None:
-                    tok = int(rt.pick(rows[0], rt.P + 1))
-                    e.last_rows = rt.last_rows
-                else:  # greedy, no processor: the row as the target gave it
-                    e.last_rows = rows[:1]
-                result = VerifyResult(path=[0], tokens=[tok])
-            else:
+            if it.proposal is not None:
                 result = e.verify(tree, rows, rt.P + 1)
+            elif it.token is not None:  # a greedy plain row, picked with the others by the runner
+                result, e.last_rows = VerifyResult(path=[0], tokens=[it.token]), rows[:1]
+            else:  # a plain row: picked as Engine.ar_step picks (the same token for a seed)
+                result = VerifyResult(path=[0], tokens=[int(rt.pick(rows[0], rt.P + 1))])
+                e.last_rows = rt.last_rows
             n_before = len(r.out)
             it.context = rt.P
             done = e.take(r.out, result.tokens, r.max_new_tokens, r.on_tokens, e.last_rows)
             it.emitted = len(r.out) - n_before
             r.forwards += 1
-            if not done:
-                if it.proposal is None:  # a plain row: already in place at P, nothing to compact
-                    ext = self.heads.plain_row(lane, result, fused, s)
-                else:
-                    with self.heads.bound(lane):
-                        ext = rt.commit_target(tree, result, None, fused[s:t] if fused is not None else None)
+            if not done:  # the accepted path kept in the target's cache; the head's rows to follow
+                ext = rt.commit_target(tree, result, None, fused[s:t] if fused is not None else None, head_kv=lane.kv)
                 if ext is not None:
                     follow.append((lane, *ext))
                 rt.advance(result)

@@ -20,7 +20,7 @@ from adaptivespec.batch.scheduler import StepPlan
 from adaptivespec.batch.step import Item
 from adaptivespec.fastpath.batched import DraftPart, bound, packed_draft_step
 from adaptivespec.runtime import LevelMasks
-from adaptivespec.types import DraftTree, VerifyResult
+from adaptivespec.types import DraftTree
 
 
 class DepthCap:
@@ -124,18 +124,6 @@ class DraftHeads:
         return trees
 
     # -- after the commit -------------------------------------------------------------------------
-    def plain_row(self, lane: Lane, result: VerifyResult, fused, row: int):
-        """What :meth:`~adaptivespec.runtime.TorchRuntime.commit_target` returns for a plain row (the
-        head's one row: the picked token, the row's state, position P), without its general path
-        (a compaction check, index copies and the head bound and unbound: 80 us a request, a
-        plain step of 8 on a 2-vCPU EPYC spent 0.6 ms more than ``ar.yaml``'s there)."""
-        if fused is None:
-            return None
-        P = lane.engine.runtime.P
-        lane.kv.length = P  # as commit_target leaves it: the head's rows from P on are this step's
-        return (torch.tensor(result.tokens, dtype=torch.long, device=self.device), fused[row:row + 1],
-                torch.tensor([P], device=self.device))
-
     @staticmethod
     def keep(follow: list) -> None:
         """The head's input states of a step's new rows ``(lane, tokens, states, positions)`` into

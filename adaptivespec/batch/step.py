@@ -33,6 +33,8 @@ class Item:
     """Its span of the packed forward's rows."""
     logit: int = 0
     """Where its rows start among the logits read."""
+    token: int | None = None
+    """A greedy plain row's token, picked by the runner with the step's others in one call."""
     emitted: int = 0
     """Tokens it emitted this step."""
     context: int = 0
