@@ -155,11 +155,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   // weights' block in L1); how a call is cut never changes how an output is summed
   constexpr int64_t NCH = 64, RCH = 48;
   const int64_t nch = (N + NCH - 1) / NCH, rch = (M + RCH - 1) / RCH;
+  const int64_t rows_each = std::min(RCH, ((M + rch - 1) / rch + 5) / 6 * 6);  // even chunks, whole 6-row groups
   at::parallel_for(0, nch * rch, 1, [&](int64_t b, int64_t e) {
     alignas(64) float acc[RCH * 64];
     for (int64_t t = b; t < e; ++t) {
       const int64_t c = t % nch, rc = t / nch;
-      const int64_t n0 = c * NCH, r0 = rc * RCH, rows = std::min(RCH, M - r0);
+      const int64_t n0 = c * NCH, r0 = rc * rows_each, rows = std::min(rows_each, M - r0);
+      if (rows <= 0) continue;
       rows_block(rows, xp + r0 * ldx, ldx, wp + (n0 / 64) * K2 * 64, K2, acc, bp, n0, N, yp + r0 * N, N);
     }
   });
