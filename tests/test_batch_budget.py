@@ -6,6 +6,7 @@ random float32 Llama built here)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import attrs
 import numpy as np
@@ -21,7 +22,10 @@ from adaptivespec.tree import make_tree, subtree
 
 # -- Scheduler.plan --------------------------------------------------------------------------------
 def req(n: int, status: Status = Status.WAITING, prefilled: int = 0, cancelled: bool = False) -> Request:
+    """A request for the planner, on a stand-in lane whose runtime holds its computed positions (``P``:
+    what ``Request.prefilled`` reads)."""
     r = Request(prompt=list(range(n)), max_new_tokens=8)
+    r.lane = SimpleNamespace(engine=SimpleNamespace(runtime=SimpleNamespace(P=0)), index=0)
     r.status, r.prefilled, r.cancelled = status, prefilled, cancelled
     return r
 

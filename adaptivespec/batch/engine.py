@@ -240,8 +240,7 @@ class BatchEngine:
         if self.prefix is not None and r.lane is not None and reason != "error":
             # its sequence in the cache: the positions whose keys (and head states) are committed
             rt = r.lane.engine.runtime
-            n = rt.P if r.status is Status.DECODE else r.prefilled
-            self.prefix.store((r.prompt + r.out)[:n], rt.cache, r.lane.states)
+            self.prefix.store((r.prompt + r.out)[:rt.P], rt.cache, r.lane.states)
         r.status, r.finish_reason, r.finished = Status.DONE, reason, time.perf_counter()
         if r.lane is not None:
             e = r.lane.engine

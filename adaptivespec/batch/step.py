@@ -98,12 +98,11 @@ def read_prompts(chunks: Sequence[Chunk], first_logits: torch.Tensor, fused, dev
         r = c.request
         lane, rt = r.lane, r.lane.engine.runtime
         n = c.end - c.start
-        r.prefilled = c.end
+        rt.P = c.end  # the request's computed positions (Request.prefilled reads it)
         nxt = r.prompt[c.start + 1 : c.end + 1]
         if c.last:
             rt.root = rt.pick(first_logits[k], c.end)
             k += 1
-            rt.P = c.end
             nxt = nxt + [int(rt.root)]
         if fused is not None:
             rows = (torch.tensor(nxt, dtype=torch.long, device=device), fused[row:row + n],
