@@ -16,6 +16,7 @@ import torch
 from adaptivespec.fastpath import native, prepack
 from adaptivespec.fastpath.forward import FastLlama
 from adaptivespec.fastpath.kvcache import buffered_cache
+from adaptivespec.tree import ancestor_matrix
 
 from test_fastforward import needs_prepack, tiny
 
@@ -76,7 +77,7 @@ def test_the_probe_finds_a_matmul_invariant_or_not_by_comparing_rows():
 @torch.inference_mode()
 def _logits_three_ways(ff, model):
     """A 24-token sequence's logits: one prefill; chunks of 10 and 7 then one token at a time; and a
-    prefill of 14 then a tree in which the sequence's next 5 tokens are a chain among 4 siblings."""
+    prefill of 14 then a tree in which the sequence's next 5 tokens are a chain among siblings."""
     torch.manual_seed(3)
     ids = torch.randint(0, 320, (1, 24))
     whole = ff(input_ids=ids, cache=buffered_cache(model.config, capacity=64), use_cache=True).logits[0]
@@ -87,19 +88,14 @@ def _logits_three_ways(ff, model):
     steps = torch.cat(parts)
     cache = buffered_cache(model.config, capacity=64)
     ff(input_ids=ids[:, :14], cache=cache, use_cache=True)
-    # nodes: chain c0..c4 (tokens 14..18) with a sibling beside each of c0, c1, c3 and a child of a sibling
-    parents = [-1, -1, 0, 0, 2, 4, 4, 5, 3]
-    chain = [0, 2, 4, 5, 7]
+    # nodes: the chain 0, 1, 3, 5, 7 (tokens 14..18) with a sibling beside each of its first three
+    # children (2, 4, 6) and a grandchild of a sibling (8), in level order as drafted trees are
+    parents = [-1, 0, 0, 1, 1, 3, 3, 5, 2]
+    chain = [0, 1, 3, 5, 7]
     tokens = torch.randint(0, 320, (len(parents),))
     tokens[chain] = ids[0, 14:19]
     n = len(parents)
-    allowed = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            allowed[i, j] = True
-            j = parents[j]
-    allowed[1, 0] = False  # node 1 is a second root (a sibling of c0)
+    allowed = ancestor_matrix(torch.tensor(parents), n)
     mask = torch.zeros(1, 1, n, 14 + n, dtype=torch.bfloat16)
     mask[0, 0, :, 14:].masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
     depth = allowed.sum(1) - 1

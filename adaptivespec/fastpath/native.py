@@ -68,17 +68,23 @@ def why_not() -> str | None:
     return _STATE["why"]
 
 
-def attention_ops():
-    """The bfloat16 attention module (``attend_bf16``, ``available``) where it builds and the CPU has
-    AVX512-BF16, else None (torch's SDPA then; :func:`attention_why_not` says why)."""
-    if os.environ.get(ATTENTION_ENV, "0") == "1":  # read at every call: a forward built after it is set skips it
+def _bf16_module(key: str, env: str, name: str, source: Path):
+    """A bf16 module of ours built once (where the CPU has AVX512-BF16), or None; ``$env=1`` skips it
+    (read at every call: a forward built after it is set goes without)."""
+    if os.environ.get(env, "0") == "1":
         return None
-    if "attention" not in _STATE:
-        module, why = _build("adaptivespec_bf16_attention", ATTENTION_SOURCE, ATTENTION_FLAGS)
+    if key not in _STATE:
+        module, why = _build(name, source, ATTENTION_FLAGS)
         if module is not None and not module.available():
             module, why = None, "the CPU has no AVX512-BF16"
-        _STATE["attention"], _STATE["attention_why"] = module, why
-    return _STATE["attention"]
+        _STATE[key], _STATE[f"{key}_why"] = module, why
+    return _STATE[key]
+
+
+def attention_ops():
+    """The bfloat16 attention module (``attend_bf16``, ``attend_slab``, ``available``) where it builds and
+    the CPU has AVX512-BF16, else None (torch's SDPA then; :func:`attention_why_not` says why)."""
+    return _bf16_module("attention", ATTENTION_ENV, "adaptivespec_bf16_attention", ATTENTION_SOURCE)
 
 
 def attention_why_not() -> str | None:
@@ -91,16 +97,9 @@ def attention_why_not() -> str | None:
 def linear_ops():
     """The fixed-order bfloat16 linear (``pack_linear``, ``linear_bf16``, ``available``) where it builds and
     the CPU has AVX512-BF16 and ``$ADAPTIVESPEC_NO_LINEAR_KERNEL`` is not 1, else None. Used for a weight
-    whose oneDNN matmul sums a row differently by the number of rows
+    whose matmul sums a row differently by the number of rows beside it
     (:class:`adaptivespec.fastpath.prepack.PackedWeight`, ``invariant=True``)."""
-    if os.environ.get(LINEAR_ENV, "0") == "1":
-        return None
-    if "linear" not in _STATE:
-        module, why = _build("adaptivespec_bf16_linear", LINEAR_SOURCE, ATTENTION_FLAGS)
-        if module is not None and not module.available():
-            module, why = None, "the CPU has no AVX512-BF16"
-        _STATE["linear"], _STATE["linear_why"] = module, why
-    return _STATE["linear"]
+    return _bf16_module("linear", LINEAR_ENV, "adaptivespec_bf16_linear", LINEAR_SOURCE)
 
 
 def _flags_key() -> str:
