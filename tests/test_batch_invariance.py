@@ -75,9 +75,10 @@ def test_the_probe_finds_a_matmul_invariant_or_not_by_comparing_rows():
 
 
 @torch.inference_mode()
-def _logits_three_ways(ff, model):
+def _logits_three_ways(ff, model, past: int = 12):
     """A 24-token sequence's logits: one prefill; chunks of 10 and 7 then one token at a time; and a
-    prefill of 14 then a tree in which the sequence's next 5 tokens are a chain among siblings."""
+    prefill of ``past`` then a tree in which the sequence's next 5 tokens are a chain among siblings (past
+    12: the chain's fourth token sits in the next 16-key block in the tree's slots, not in the sequence's)."""
     torch.manual_seed(3)
     ids = torch.randint(0, 320, (1, 24))
     whole = ff(input_ids=ids, cache=buffered_cache(model.config, capacity=64), use_cache=True).logits[0]
@@ -87,21 +88,21 @@ def _logits_three_ways(ff, model):
     parts += [ff(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits[0] for i in range(17, 24)]
     steps = torch.cat(parts)
     cache = buffered_cache(model.config, capacity=64)
-    ff(input_ids=ids[:, :14], cache=cache, use_cache=True)
-    # nodes: the chain 0, 1, 3, 5, 7 (tokens 14..18) with a sibling beside each of its first three
+    ff(input_ids=ids[:, :past], cache=cache, use_cache=True)
+    # nodes: the chain 0, 1, 3, 5, 7 (the sequence's next 5 tokens) with a sibling beside each of its first three
     # children (2, 4, 6) and a grandchild of a sibling (8), in level order as drafted trees are
     parents = [-1, 0, 0, 1, 1, 3, 3, 5, 2]
     chain = [0, 1, 3, 5, 7]
     tokens = torch.randint(0, 320, (len(parents),))
-    tokens[chain] = ids[0, 14:19]
+    tokens[chain] = ids[0, past:past + 5]
     n = len(parents)
     allowed = ancestor_matrix(torch.tensor(parents), n)
-    mask = torch.zeros(1, 1, n, 14 + n, dtype=torch.bfloat16)
-    mask[0, 0, :, 14:].masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
+    mask = torch.zeros(1, 1, n, past + n, dtype=torch.bfloat16)
+    mask[0, 0, :, past:].masked_fill_(~allowed, torch.finfo(torch.bfloat16).min)
     depth = allowed.sum(1) - 1
-    tree = ff(input_ids=tokens[None], attention_mask=mask, position_ids=(14 + depth)[None], cache=cache,
+    tree = ff(input_ids=tokens[None], attention_mask=mask, position_ids=(past + depth)[None], cache=cache,
               use_cache=True).logits[0]
-    return whole, steps, tree[chain]
+    return whole[past:past + 5], whole, steps, tree[chain]
 
 
 def test_the_forward_gives_a_token_the_same_logits_however_it_is_batched(monkeypatch):
@@ -110,15 +111,15 @@ def test_the_forward_gives_a_token_the_same_logits_however_it_is_batched(monkeyp
     monkeypatch.setattr(prepack, "rows_invariant", lambda matmul, backend, k: False)  # every linear: the fixed kernel
     ff = FastLlama(model, sgl=None)
     assert ff.kernel is not None and ff.layers[0].down.fixed is not None
-    whole, steps, tree = _logits_three_ways(ff, model)
+    chain, whole, steps, tree = _logits_three_ways(ff, model)
     assert torch.equal(whole, steps)
-    assert torch.equal(whole[14:19], tree)
+    assert torch.equal(chain, tree)
 
 
 def test_with_the_probes_own_choice_the_forward_is_batch_invariant_too():
     model = tiny()
     needs_prepack(model)
     ff = FastLlama(model, sgl=None)
-    whole, steps, tree = _logits_three_ways(ff, model)
+    chain, whole, steps, tree = _logits_three_ways(ff, model)
     assert torch.equal(whole, steps)
-    assert torch.equal(whole[14:19], tree)
+    assert torch.equal(chain, tree)
