@@ -292,21 +292,15 @@ class TorchRuntime:
         without a drafter). ``fused``: the tree rows' drafter input states [n, H] when the caller
         already has them (else fused from ``hidden_states`` here). ``head_kv``: the drafter's cache
         when it is not the drafter's own (a batch lane's :class:`~adaptivespec.fastpath.batched.DraftKV`).
-        A plain row (the root alone) is already in place: nothing to compact. Then :meth:`advance`."""
+        Then :meth:`advance`."""
         path = result.path
         kept = len(path)
-        plain = tree.size == 1
-        if not plain:
-            idx = torch.tensor(path, dtype=torch.long, device=self.device)
-            compact_cache(self.cache, self.P, path, idx, tree.size)
+        idx = torch.tensor(path, dtype=torch.long, device=self.device)
+        compact_cache(self.cache, self.P, path, idx, tree.size)  # (a plain row: in place, nothing moves)
         if self.drafter is None:  # candidate sources alone: no drafter to extend
             return None
         (head_kv or self.drafter).length = self.P  # the head's rows from P on are this step's
-        if plain and fused is not None:
-            state = fused[:1]
-        else:
-            idx = torch.tensor(path, dtype=torch.long, device=self.device)
-            state = fused[idx] if fused is not None else self.drafter.fuse(hidden_states, idx)[0]  # [kept, H]
+        state = fused[idx] if fused is not None else self.drafter.fuse(hidden_states, idx)[0]  # [kept, H]
         tokens = torch.tensor(result.tokens, dtype=torch.long, device=self.device)  # accepted + bonus
         return tokens, state, self.P + torch.arange(kept, device=self.device)
 

@@ -136,12 +136,13 @@ def test_a_seed_gives_the_same_text_alone_among_others_and_by_plain_decoding(nam
     alone = Engine(config)
     assert [alone.generate_ids(p, max_new_tokens=16, seed=s).token_ids for p, s in zip(prompts, seeds)] == want
     batch = BatchEngine(config, 4, log=lambda _: None)
-    for p, s, w in zip(prompts, seeds, want):  # each alone in the batch engine
-        assert batch.generate_many([p], seeds=[s], max_new_tokens=16)[0].token_ids == w
+    solo = [batch.generate_many([p], seeds=[s], max_new_tokens=16)[0] for p, s in zip(prompts, seeds)]
+    assert [r.token_ids for r in solo] == want  # each alone in the batch engine
     together = batch.generate_many(prompts, seeds=seeds, max_new_tokens=16)  # and among the others
     assert [r.token_ids for r in together] == want
-    drafted = sum(rec.accepted for r in together for rec in r.records)
-    assert drafted > 0  # the trees were verified, not skipped
+    # trees were verified, not skipped (the row budget may turn a batch to plain rows once it has
+    # learned that drafting does not pay for these prompts: the seeds hold through both)
+    assert sum(rec.accepted for r in (*solo, *together) for rec in r.records) > 0
 
 
 def test_keyed_choices_do_not_depend_on_the_rows_beside_them_and_are_exact():

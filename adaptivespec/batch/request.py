@@ -71,17 +71,6 @@ class Request:
     last_accepted: int = -1
     cancelled: bool = False
     """Set from any thread (:meth:`cancel`); the request leaves at the next step."""
-
-    @property
-    def prefilled(self) -> int:
-        """Positions in the target's cache: its lane's runtime counter ``P``, the one count of a request's
-        computed positions (a prompt chunk read or a prefix taken advances it; == len(prompt) once
-        decoding starts, then the decoded tokens' too); 0 without a lane."""
-        return self.lane.engine.runtime.P if self.lane is not None else 0
-
-    @prefilled.setter
-    def prefilled(self, n: int) -> None:
-        self.lane.engine.runtime.P = n
     finish_reason: str | None = None
     """``"stop"`` (EOS, stop id, grammar end), ``"length"``, ``"cancelled"``, ``"error"``."""
     error: str | None = None
@@ -98,6 +87,17 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def prefilled(self) -> int:
+        """Positions in the target's cache: its lane's runtime counter ``P``, the one count of a request's
+        computed positions (a prompt chunk read or a prefix taken advances it; == len(prompt) once
+        decoding starts, then the decoded tokens' too); 0 without a lane."""
+        return self.lane.engine.runtime.P if self.lane is not None else 0
+
+    @prefilled.setter
+    def prefilled(self, n: int) -> None:
+        self.lane.engine.runtime.P = n
 
     @property
     def done(self) -> bool:
