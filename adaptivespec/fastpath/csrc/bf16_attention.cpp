@@ -346,9 +346,11 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
   // scores by key ranges, values by ranges of dims, through one buffer [tile][block][KJ][L].
   constexpr int64_t RB = 32;  // blocks per score task
   const int64_t nranges = (longest + RB - 1) / RB;
-  std::vector<float> buf(static_cast<size_t>(ntiles * longest * sblk));
+  // (left unfilled: every block a pass reads, the pass before wrote; zeroing it cost a step's worth of
+  // memset at long context, ~0.8 MB a layer for one row at 4k)
+  std::unique_ptr<float[]> buf(new float[ntiles * longest * sblk]);
   std::vector<float> rmax(static_cast<size_t>(ntiles * nranges * L), -std::numeric_limits<float>::infinity());
-  auto sp = [&](int64_t tile, int64_t blk) { return buf.data() + (tile * longest + blk) * sblk; };
+  auto sp = [&](int64_t tile, int64_t blk) { return buf.get() + (tile * longest + blk) * sblk; };
   at::parallel_for(0, ngroups * nranges, g1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       int64_t t0, count;
@@ -358,7 +360,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
              [&](int64_t tile) { return rmax.data() + (tile * nranges + r) * L; });
     }
   });
-  std::vector<float> mx(static_cast<size_t>(ntiles * L));
+  std::unique_ptr<float[]> mx(new float[ntiles * L]);
   for (int64_t tile = 0; tile < ntiles; ++tile)
     for (int lane = 0; lane < L; ++lane) {
       float m = -std::numeric_limits<float>::infinity();
@@ -372,7 +374,7 @@ void attend_impl(const uint16_t* qptr, int64_t qs0, int64_t qs1, int64_t H, int6
     }
   });
   constexpr int64_t DG = D / 16;
-  std::vector<float> acc(static_cast<size_t>(ntiles * D * L)), lsum(static_cast<size_t>(ntiles * L));
+  std::unique_ptr<float[]> acc(new float[ntiles * D * L]), lsum(new float[ntiles * L]);
   at::parallel_for(0, ntiles * DG, g1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t tile = t / DG, d0 = (t % DG) * 16;
