@@ -2,7 +2,7 @@
 
 With torch's own ops (oneDNN matmuls) it must reproduce transformers' forward bit for bit: prefill,
 one-token steps, tree verification with a mask, hidden states; with SGLang's CPU kernels (only where
-``sgl_kernel`` imports) it must agree to bfloat16 rounding. It must never touch float32 models.
+``sgl_kernel`` imports) it must agree to bfloat16 rounding. float32: tests/test_fast_float32.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def trace(forward, model):
     cache = buffered_cache(model.config, capacity=64)
     out = [forward(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True)]
     out.append(forward(input_ids=torch.tensor([[5]]), cache=cache, use_cache=True, logits_to_keep=1))
-    mask, pos = tree_mask(18, 5, torch.bfloat16)
+    mask, pos = tree_mask(18, 5, model.dtype)
     out.append(forward(input_ids=torch.randint(0, 320, (1, 5)), attention_mask=mask, position_ids=pos, cache=cache,
                        use_cache=True, output_hidden_states=True))
     cache.crop(-5)
@@ -106,9 +106,9 @@ def test_sgl_kernel_fused_forward_agrees_to_bfloat16_rounding():
                 torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
 
 
-def test_fast_forward_applies_only_to_bfloat16_llama_on_cpu_and_can_be_switched_off(monkeypatch):
-    assert fast_forward(tiny(torch.float32)) is None
-    assert "bfloat16" in supported(tiny(torch.float32))
+def test_fast_forward_applies_only_to_llama_on_cpu_and_can_be_switched_off(monkeypatch):
+    assert supported(tiny(torch.float16)) is not None  # float16: neither the bf16 nor the float32 path
+    assert fast_forward(tiny(torch.float32)) is not None  # float32: torch's ops (tests/test_fast_float32.py)
     model = tiny()
     needs_prepack(model)
     ff = fast_forward(model)
@@ -119,11 +119,12 @@ def test_fast_forward_applies_only_to_bfloat16_llama_on_cpu_and_can_be_switched_
     monkeypatch.delenv(fastforward.DISABLE_ENV)
     monkeypatch.setenv("ADAPTIVESPEC_NO_PREPACK", "1")
     assert fast_forward(model) is None
+    assert fast_forward(tiny(torch.float32)) is not None  # float32 packs nothing: the switch is bf16's
     monkeypatch.delenv("ADAPTIVESPEC_NO_PREPACK")
     monkeypatch.setenv(fastforward.NO_SGL_ENV, "1")
     assert fast_forward(model).backend == "onednn"
     model.config.model_type = "gpt2"  # (Qwen2, Qwen3 and Mistral run it too: tests/test_architectures.py)
-    assert fast_forward(tiny(torch.float32)) is None and "Llama-layout" in supported(model)
+    assert fast_forward(model) is None and "Llama-layout" in supported(model)
 
 
 def test_torch_runtime_decodes_the_same_tokens_with_and_without_the_fused_forward(monkeypatch):

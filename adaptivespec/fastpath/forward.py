@@ -57,8 +57,9 @@ def supported(model) -> str | None:
         return f"${DISABLE_ENV}=1"
     if cfg is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
         return f"not a Llama-layout model ({', '.join(ARCHITECTURES)})"
-    if not can_prepack(model):
-        return "not bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
+    reason = dtype_unsupported(model)
+    if reason is not None:
+        return reason
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "unexpected module layout"
@@ -73,6 +74,18 @@ def supported(model) -> str | None:
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "adaptivespec_sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation!r}"
     return None
+
+
+def dtype_unsupported(module) -> str | None:
+    """None where ``module``'s weights can run fused on this machine: float32 on any CPU (torch's own
+    float32 matmuls, SDPA and norms: AVX2 suffices; not an int8 target's), bfloat16 on a CPU where they
+    can be prepacked (:func:`~adaptivespec.fastpath.prepack.can_prepack`); otherwise why not."""
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type == "cpu" and p.dtype == torch.float32:
+        return None if quantization_of(module) == "none" else "an int8 target in float32"
+    if can_prepack(module):
+        return None
+    return "neither float32 on a CPU nor bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
 
 
 FOLD_MAX_ROWS = 72
@@ -237,9 +250,11 @@ def attend_invariant(native, q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, sgl=None) -> torch.Tensor:
     """RMSNorm of ``x`` [rows, H]: SGLang's kernel with ``sgl``, else transformers' ``LlamaRMSNorm``
-    (normalise in float32, round to the model's dtype, then scale)."""
+    (normalise in float32, round to the model's dtype, then scale; in float32 one op, scale included)."""
     if sgl is not None:
         return sgl.rmsnorm_cpu(x.contiguous(), w, eps)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
@@ -250,7 +265,24 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return qk * cos + rot * sin
 
 
-def pack(mods, dtype, sgl, invariant: bool = False) -> PackedWeight | Int8Weight:
+class Float32Weight:
+    """A float32 weight ``[out, in]`` (and bias) for torch's own matmul on any CPU: call it on ``x [rows, in]``.
+
+    ``F.linear`` (MKL's sgemm / sgemv; AVX2 suffices). Left in PyTorch's layout: oneDNN's prepacked
+    float32 matmul was no faster at a decode step's 1 to ~16 rows (docs/speed.md, *float32*)."""
+
+    __slots__ = ("weight", "bias", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach()
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack(mods, dtype, sgl, invariant: bool = False) -> PackedWeight | Int8Weight | Float32Weight:
     """One packed matmul for the linear layers ``mods`` side by side (their weights, and biases where
     any has one, concatenated along the outputs). Int8 layers (:class:`~adaptivespec.fastpath.int8.Int8Linear`,
     all or none of ``mods``) give one :class:`~adaptivespec.fastpath.int8.Int8Weight`: their int8 rows
@@ -266,6 +298,8 @@ def pack(mods, dtype, sgl, invariant: bool = False) -> PackedWeight | Int8Weight
         return Int8Weight(torch.cat([m.qweight for m in mods]), torch.cat([m.scale for m in mods]), bias,
                           mods[0].inv_smooth, mods[0].groups)  # one input: one set of smoothing factors and slices
     weight = torch.cat([m.weight.detach() for m in mods]) if len(mods) > 1 else mods[0].weight.detach()
+    if dtype == torch.float32:
+        return Float32Weight(weight, bias)
     return PackedWeight(weight, bias, sgl, invariant)
 
 
@@ -442,8 +476,10 @@ def fast_forward(model):
     (:func:`supported`): callers then run the model itself."""
     if model is None or supported(model) is not None:
         return None
-    # the int8 target runs torch's norms and SiLU whatever is installed: one function on every install
-    sgl = None if quantization_of(model) == "int8" else _probe(sgl_ops(), model.config.hidden_size,
+    # the int8 target runs torch's norms and SiLU whatever is installed: one function on every install;
+    # float32 runs torch's ops only (SGLang's CPU kernels are bf16 / fp16)
+    fp32 = next(model.parameters()).dtype == torch.float32
+    sgl = None if quantization_of(model) == "int8" or fp32 else _probe(sgl_ops(), model.config.hidden_size,
                                                                  model.config.intermediate_size)
     key = "sgl_kernel" if sgl is not None else "onednn"
     cached = getattr(model, _ATTR, None)

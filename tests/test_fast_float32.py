@@ -1,0 +1,130 @@
+"""The fused forward in float32 (:mod:`adaptivespec.fastpath.forward`): the dtype CPUs without fast
+bfloat16 (AVX2 only) run.
+
+transformers' forward stays the reference. The fused float32 forward must be the one a float32 model
+on a CPU gets, agree with transformers to float32 rounding (logits, hidden states: prefill, one row,
+a tree under a mask, unmasked rows), decode the same greedy tokens on a real prompt, and run on a
+CPU capped to AVX2 (no AVX-512, no bf16 kernels: torch's own ops only).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from adaptivespec import hardware
+from adaptivespec.fastpath import forward as fastforward
+from adaptivespec.fastpath.forward import FastLlama, Float32Weight, fast_forward, supported
+
+from test_fastforward import tiny, trace
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+"""float32 against float32: the same maths, summed in another order (concatenated projections, one-op norms)."""
+
+
+def test_a_float32_llama_on_a_cpu_gets_the_fused_forward_with_torch_ops_only():
+    model = tiny(torch.float32)
+    assert supported(model) is None
+    ff = fast_forward(model)
+    assert isinstance(ff, FastLlama) and fast_forward(model) is ff
+    assert ff.sgl is None and ff.kernel is None and ff.native is None  # no bf16 / AVX-512 kernels
+    assert ff.backend == "onednn"
+    for L in ff.layers:
+        assert all(isinstance(w, Float32Weight) for w in (L.qkv, L.o, L.gate_up, L.down))
+    assert isinstance(ff.lm_head, Float32Weight)
+    assert ff.layers[0].qkv.out_features == 128 + 2 * 64  # Q|K|V in one matmul (4 heads, 2 KV heads of 32)
+
+
+def test_the_switch_keeps_transformers_forward_for_float32(monkeypatch):
+    from adaptivespec.runtime import TorchRuntime
+
+    model = tiny(torch.float32)
+    monkeypatch.setenv(fastforward.DISABLE_ENV, "1")
+    assert fast_forward(model) is None and "NO_FASTFORWARD" in supported(model)
+    plain = TorchRuntime(model)
+    assert plain.fast is None and plain.forward is model
+    monkeypatch.delenv(fastforward.DISABLE_ENV)
+    fast = TorchRuntime(model)
+    assert fast.fast is not None and fast.forward is fast.fast
+
+
+def test_fused_float32_logits_and_states_follow_transformers():
+    model = tiny(torch.float32)
+    ff = FastLlama(model)
+    ref, got = trace(model, model), trace(ff, model)
+    for r, g in zip(ref, got):
+        assert g.logits.shape == r.logits.shape and g.logits.dtype == torch.float32
+        torch.testing.assert_close(g.logits, r.logits, **TOL)
+        assert torch.equal(g.logits.argmax(-1), r.logits.argmax(-1))
+        if r.hidden_states is not None:
+            assert len(g.hidden_states) == len(r.hidden_states)
+            for a, b in zip(g.hidden_states, r.hidden_states):
+                torch.testing.assert_close(a, b, **TOL)
+
+
+def test_torch_runtime_decodes_the_same_float32_tokens_fused_and_not(monkeypatch):
+    from adaptivespec.runtime import TorchRuntime
+
+    model = tiny(torch.float32)
+    prompt = list(range(3, 20))
+
+    def decode(rt):
+        return [rt.prefill(prompt, 24)] + [rt.ar_step() for _ in range(20)]
+
+    fast = TorchRuntime(model)
+    assert fast.forward is fast.fast
+    monkeypatch.setenv(fastforward.DISABLE_ENV, "1")
+    assert decode(fast) == decode(TorchRuntime(model))
+
+
+@pytest.mark.model
+def test_fused_float32_greedy_tokens_equal_transformers_generate_on_a_real_prompt(smol32, greedy_reference):
+    from adaptivespec.runtime import TorchRuntime
+
+    model, _ = smol32
+    text = "Explain in one sentence what a hash table is."
+    ids, want = greedy_reference(text, 40)
+    rt = TorchRuntime(model)
+    assert rt.fast is not None and rt.forward is rt.fast
+    got = [rt.prefill(ids, 40)] + [rt.ar_step() for _ in range(len(want) - 1)]
+    assert got == want
+
+
+AVX2_CHECK = textwrap.dedent("""
+    import torch
+    from adaptivespec import hardware
+    from adaptivespec.fastpath.forward import FastLlama, fast_forward, supported
+    from adaptivespec.fastpath.native import attention_ops
+    from adaptivespec.runtime import TorchRuntime
+    from test_fastforward import tiny, trace
+
+    assert hardware.isa() == "avx2" and not hardware.has("bf16_kernels"), hardware.describe()
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
+    assert attention_ops() is None
+    model = tiny(torch.float32)
+    assert supported(model) is None
+    ff = fast_forward(model)
+    assert ff.kernel is None and ff.sgl is None
+    for r, g in zip(trace(model, model), trace(ff, model)):
+        torch.testing.assert_close(g.logits, r.logits, rtol=1e-4, atol=1e-4)
+    rt = TorchRuntime(model)
+    assert rt.forward is rt.fast
+    print("tokens", [rt.prefill(list(range(3, 20)), 8)] + [rt.ar_step() for _ in range(6)])
+""")
+
+
+@pytest.mark.skipif(not hardware.has("avx2"), reason="needs AVX2 (the cap can only lower what the CPU has)")
+def test_the_fused_float32_forward_runs_on_a_cpu_capped_to_avx2(tmp_path):
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    env = hardware.capped_env("avx2")
+    env["PYTHONPATH"] = tests + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens" in done.stdout
