@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adaptivespec import __version__
+from adaptivespec import __version__, hardware
 from adaptivespec.errors import AdaptiveSpecError
 
 # Subcommands contributed by other modules: (module, function adding the subparser, which sets
@@ -152,7 +152,8 @@ def run_generate(args) -> int:
                       f"{s['tokens_per_second']:.2f} tok/s, "
                       f"{s['target_forwards']} target forwards, accept length {s['accept_length_mean']:.2f}, "
                       f"{s['promoted_tokens']} promoted, {config.policy.name}+{config.verifier.name}"
-                      f"{'' if engine.lossless else ' (lossy)'}]", flush=True)
+                      f"{'' if engine.lossless else ' (lossy)'}, {config.runtime.name} {config.runtime.precision} "
+                      f"on {hardware.isa()}]", flush=True)
     finally:
         if trace is not None:
             trace.close()
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except AdaptiveSpecError as exc:
+        return _fail(str(exc))
+    except hardware.IsaCapError as exc:  # a malformed $ADAPTIVESPEC_CPU_ISA read before any config
         return _fail(str(exc))
     except KeyboardInterrupt:
         print("adaptivespec: interrupted", file=sys.stderr)

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import yaml
 
+from adaptivespec import hardware
 from adaptivespec.errors import ConfigError, UnknownStrategyError
 from adaptivespec.params import as_tuple, int_at_least, number_in, one_of, positive_int, structure
 from adaptivespec.plugins import get_plugin_host
@@ -53,8 +54,11 @@ class RuntimeConfig:
     """Registered runtime."""
     device: str = "cpu"
     """Torch device: ``cpu``, ``cuda``, ``cuda:1`` ..."""
-    dtype: str = attrs.field(default="bfloat16", validator=one_of("float32", "bfloat16"))
-    """Weights and activations dtype."""
+    dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "bfloat16"))
+    """Weights and activations dtype. ``auto`` (the default): ``bfloat16`` where the device has fast
+    bf16 (a GPU; a CPU with AMX or AVX512-BF16; Arm with bf16), else ``float32`` (an AVX2-only CPU, where
+    torch's bf16 is 40-500x slower): :func:`adaptivespec.hardware.auto_dtype`. Resolved when the config
+    loads, so ``runtime.dtype`` (and ``precision``, the key of cost tables) always names what runs."""
     threads: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive_int))
     """torch intra-op threads (null: torch's default)."""
     quantization: str = attrs.field(default="none", validator=one_of("none", "int8"))
@@ -275,9 +279,21 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
         if name not in registry:
             key = "runtime.name" if kind == "runtime" else "model.drafter_kind"
             raise ConfigError(where, key, str(UnknownStrategyError(kind, name, registry.names(), getattr(registry, "failed", []))))
+    sections["runtime"] = resolve_dtype(sections["runtime"], where)
     config = Config(**sections, **strategies, source=where, sources=build_sources(data.get("sources"), where, host))
     check_sampling(config, host)  # temperature > 0 needs a verifier with a sampling form
     return config
+
+
+def resolve_dtype(runtime: RuntimeConfig, where: str = "<config>") -> RuntimeConfig:
+    """``runtime`` with ``dtype: auto`` replaced by this machine's choice (:func:`adaptivespec.hardware.auto_dtype`);
+    a malformed ``$ADAPTIVESPEC_CPU_ISA`` is named as a config error."""
+    if runtime.dtype != "auto":
+        return runtime
+    try:
+        return attrs.evolve(runtime, dtype=hardware.auto_dtype(runtime.device))
+    except ValueError as exc:
+        raise ConfigError(where, "runtime.dtype", f"auto: {exc}") from None
 
 
 def check_sampling(config: Config, host=None) -> None:

@@ -62,6 +62,10 @@ def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+class IsaCapError(ValueError):
+    """``$ADAPTIVESPEC_CPU_ISA`` names no level (the CLI prints it as one line, exit 2)."""
+
+
 def isa_cap(env: dict | None = None) -> str | None:
     """``$ADAPTIVESPEC_CPU_ISA`` when set (lower-cased), else None. A value outside :data:`LEVELS`
     raises ValueError naming it (the CLI turns that into one line and exit 2)."""
@@ -69,7 +73,7 @@ def isa_cap(env: dict | None = None) -> str | None:
     if not value:
         return None
     if value not in LEVELS:
-        raise ValueError(f"${ISA_ENV}: expected one of {', '.join(LEVELS)}, got {value!r}")
+        raise IsaCapError(f"${ISA_ENV}: expected one of {', '.join(LEVELS)}, got {value!r}")
     return value
 
 

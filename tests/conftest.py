@@ -42,6 +42,24 @@ def _model_loads_carry_the_marker(request, monkeypatch):
     yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.needs("bf16_kernels")`` (any :func:`adaptivespec.hardware.has` feature, or
+    ``fast_bf16``): skip where this CPU (as ``$ADAPTIVESPEC_CPU_ISA`` caps it) lacks it, saying why:
+    "needs AVX512-BF16: this CPU has avx2". On such a CPU torch's bf16 runs 40-500x slower and our
+    AVX-512 kernels are never compiled."""
+    from adaptivespec import hardware
+
+    for item in items:
+        for mark in item.iter_markers("needs"):
+            for feature in mark.args:
+                if feature == "fast_bf16":
+                    why = None if hardware.fast_bf16() else f"needs fast bf16 (AMX or AVX512-BF16): this CPU has {hardware.isa()}"
+                else:
+                    why = hardware.missing(feature)
+                if why is not None:
+                    item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.fixture(scope="session")
 def smol32():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct in float32."""

@@ -40,7 +40,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         ("generation:\n  max_new_tokens: '12'\n", [], "generation.max_new_tokens: expected an integer, got '12'"),
         ("generation:\n  max_new_tokens: true\n", [], "generation.max_new_tokens: expected an integer, got True"),
         ("generation:\n  max_new_tokens: 0\n", [], "generation.max_new_tokens: expected a positive integer, got 0"),
-        ("runtime:\n  dtype: float16\n", [], "runtime.dtype: expected one of float32, bfloat16, got 'float16'"),
+        ("runtime:\n  dtype: float16\n", [], "runtime.dtype: expected one of auto, float32, bfloat16, got 'float16'"),
         ("verifier:\n  name: margin\n  kappa: 1.5\n", [], "verifier.kappa: expected a number in (0, 1], got 1.5"),
         ("policy:\n  name: statik\n", [], "policy.name: unknown policy 'statik'; registered policies:"),
         ("verifier:\n  name: nope\n", [], "verifier.name: unknown verifier 'nope'; registered verifiers:"),

@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 import torch
 
+from adaptivespec import hardware
 from adaptivespec.costmodel import cpu_name
 from adaptivespec.fastpath.batched import DraftKV, DraftPart, KVSlab, Part, bound, layer_pieces, packed_draft_step, packed_forward
 from adaptivespec.fastpath.kvcache import buffered_cache
@@ -100,13 +101,13 @@ def machine_key(target_name: str, dtype: str) -> dict:
     from adaptivespec.fastpath.native import attention_ops
 
     attention = "kernel" if dtype == "bfloat16" and attention_ops() is not None else "sdpa"
-    return {"cpu": cpu_name(), "target": target_name, "dtype": dtype, "threads": torch.get_num_threads(),
-            "torch": torch.__version__.split("+")[0], "attention": attention}
+    return {"cpu": cpu_name(), "isa": hardware.isa(), "target": target_name, "dtype": dtype,
+            "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0], "attention": attention}
 
 
 def cost_path(key: dict) -> Path:
     """Where the table for ``key`` is cached: ``<cache>/costs/<cpu>-<target>-<dtype>-t<threads>.json``."""
-    slug = "-".join(re.sub(r"[^A-Za-z0-9]+", "_", str(key[k])).strip("_") for k in ("cpu", "target", "dtype"))
+    slug = "-".join(re.sub(r"[^A-Za-z0-9]+", "_", str(key[k])).strip("_") for k in ("cpu", "isa", "target", "dtype") if k in key)
     return cache_dir() / "costs" / f"{slug}-t{key['threads']}.json"
 
 

@@ -27,11 +27,14 @@ count), so that with the attention kernel the bfloat16 forward is batch-invarian
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
 from pathlib import Path
+
+from adaptivespec import hardware
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_NATIVE"
 ATTENTION_ENV = "ADAPTIVESPEC_NO_ATTENTION_KERNEL"
@@ -73,6 +76,8 @@ def _bf16_module(key: str, env: str, name: str, source: Path):
     (read at every call: a forward built after it is set goes without)."""
     if os.environ.get(env, "0") == "1":
         return None
+    if key not in _STATE and not hardware.has("bf16_kernels"):  # nothing compiled for an ISA the CPU lacks
+        _STATE[key], _STATE[f"{key}_why"] = None, hardware.missing("bf16_kernels")
     if key not in _STATE:
         module, why = _build(name, source, ATTENTION_FLAGS)
         if module is not None and not module.available():
@@ -103,46 +108,101 @@ def linear_ops():
 
 
 def _flags_key() -> str:
-    """A short hash of the CPU's feature flags: ``-march=native`` code is kept apart per instruction
-    set (two CPUs can share a model name, e.g. "AMD EPYC", and differ in AVX512-BF16)."""
+    """A short hash of the CPU's feature flags as the project sees them (capped by
+    ``$ADAPTIVESPEC_CPU_ISA``): code compiled for one instruction set is kept apart from another's (two
+    CPUs can share a model name, e.g. "AMD EPYC", and differ in AVX-512)."""
     import hashlib
 
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(" ".join(sorted(hardware.features())).encode()).hexdigest()[:8]
+
+
+MARCH = {"baseline": "-march=x86-64-v2", "avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+"""``-march`` under an ISA cap (:func:`adaptivespec.hardware.isa_cap`): code for the capped level, not for
+the machine (``-march=native`` otherwise); ``avx512`` adds VNNI where the CPU has it."""
+
+
+def _march(flags: list[str]) -> list[str]:
+    """``flags`` with ``-march=native`` replaced by the capped level's, where ``$ADAPTIVESPEC_CPU_ISA`` caps it."""
+    level = hardware.isa_cap()
+    if level is None or level not in MARCH or hardware.isa() == "aarch64":
+        return flags
+    extra = ["-mavx512vnni"] if level == "avx512" and hardware.has("vnni") else []
+    return [f for f in flags if f != "-march=native"] + [MARCH[level], *extra]
 
 
 def _build(name: str, source: Path, flags: list[str]):
     if os.environ.get(DISABLE_ENV, "0") == "1":
         return None, f"${DISABLE_ENV}=1"
     try:
-        import torch.utils.cpp_extension as ext
-
         from adaptivespec.costmodel import cpu_name
         from adaptivespec.paths import cache_dir
 
         cpu = re.sub(r"[^A-Za-z0-9]+", "_", cpu_name()).strip("_")[:48] or "cpu"
         where = cache_dir() / "native" / f"{cpu}-{_flags_key()}"
         where.mkdir(parents=True, exist_ok=True)
-        folder = where / name
-        folder.mkdir(exist_ok=True)
-        if not any(folder.glob("*.so")) and sys.stderr.isatty():  # the first use on this CPU: say why it pauses
-            print(f"adaptivespec: compiling {source.name} for this CPU (once, ~20 s)", file=sys.stderr, flush=True)
-        try:
-            module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
-                              verbose=False)
-        except Exception:  # noqa: BLE001 - e.g. no OpenMP in this compiler: one thread rather than none
-            if OPENMP not in flags:
-                raise
-            serial = folder.parent / f"{name}_serial"
-            serial.mkdir(exist_ok=True)
-            module = ext.load(name=f"{name}_serial", sources=[str(source)], extra_cflags=[f for f in flags if f != OPENMP],
-                              build_directory=str(serial), verbose=False)
-            log.warning("adaptivespec: %s built without OpenMP: its kernels run on one thread", source.name)
-        return module, None
+        flags = _march(flags)
+        with _build_lock(where / f"{name}.adaptivespec-lock", source.name):
+            return _compile(name, source, flags, where), None
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: the torch path runs
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"{type(exc).__name__}: {first[:200]}"
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path, what: str):
+    """Hold an exclusive ``flock`` on ``path`` while one process of ours compiles into its folder.
+
+    torch's extension loader guards a build folder with a plain ``lock`` file that a killed build (a
+    Ctrl-C during the first run) leaves behind, and every later load then waits on it forever. The
+    kernel releases a ``flock`` when its holder dies, so while we hold ours no live process of ours is
+    compiling there: a ``lock`` file left in the folder is stale and removed before loading."""
+    import fcntl
+
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"adaptivespec: waiting for another process compiling {what} for this CPU")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _say(text: str) -> None:
+    """One line on the terminal (where stderr is one) and in the log."""
+    log.info(text)
+    if sys.stderr.isatty():
+        print(text, file=sys.stderr, flush=True)
+
+
+def _compile(name: str, source: Path, flags: list[str], where: Path):
+    """torch's extension loader over ``source`` in ``where/name`` (under :func:`_build_lock`); a compiler
+    without OpenMP gets a one-thread build."""
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    folder = where / name
+    folder.mkdir(exist_ok=True)
+    (folder / "lock").unlink(missing_ok=True)  # stale: see _build_lock
+    fresh = not any(folder.glob("*.so"))
+    if fresh:  # the first use on this CPU: say why it pauses
+        _say(f"adaptivespec: compiling {source.name} for this CPU ({hardware.isa()}; once, ~20-60 s)")
+    start = time.perf_counter()
+    try:
+        module = ext.load(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(folder),
+                          verbose=False)
+    except Exception:  # noqa: BLE001 - e.g. no OpenMP in this compiler: one thread rather than none
+        if OPENMP not in flags:
+            raise
+        serial = where / f"{name}_serial"
+        serial.mkdir(exist_ok=True)
+        (serial / "lock").unlink(missing_ok=True)
+        module = ext.load(name=f"{name}_serial", sources=[str(source)], extra_cflags=[f for f in flags if f != OPENMP],
+                          build_directory=str(serial), verbose=False)
+        log.warning("adaptivespec: %s built without OpenMP: its kernels run on one thread", source.name)
+    if fresh:
+        _say(f"adaptivespec: compiled {source.name} in {time.perf_counter() - start:.0f} s (cached)")
+    return module

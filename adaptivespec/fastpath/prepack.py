@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from adaptivespec import hardware
 from adaptivespec.fastpath.native import linear_ops
 
 DISABLE_ENV = "ADAPTIVESPEC_NO_PREPACK"
@@ -28,7 +29,7 @@ _SGL_NEEDS = ("weight_packed_linear", "convert_weight_packed", "rmsnorm_cpu", "f
 def sgl_ops():
     """``torch.ops.sgl_kernel`` when SGLang's CPU kernel package imports here (optional: SGLang is not a
     dependency; ``scripts/install_sglang_cpu.sh``) and ``$ADAPTIVESPEC_NO_SGL_KERNEL`` is not 1, else None."""
-    if os.environ.get(NO_SGL_ENV, "0") == "1":
+    if os.environ.get(NO_SGL_ENV, "0") == "1" or not hardware.has("bf16_kernels"):  # its kernels are AVX-512 / AMX
         return None
     try:
         import sgl_kernel  # noqa: F401  (registers torch.ops.sgl_kernel)
@@ -128,12 +129,15 @@ class PackedLinear(torch.nn.Module):
 
 
 def can_prepack(module: torch.nn.Module) -> bool:
-    """True for a bfloat16 module on the CPU where oneDNN is available, unless ``$ADAPTIVESPEC_NO_PREPACK=1``.
+    """True for a bfloat16 module on the CPU where oneDNN is available and can reorder bf16 weights
+    (:func:`adaptivespec.hardware.has` ``onednn_bf16``: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2
+    CPU oneDNN's reorder raises), unless ``$ADAPTIVESPEC_NO_PREPACK=1``.
 
     float32 is left alone: packed, its one-token step was slower (43 vs 33 ms) on the same machine."""
     p = next(module.parameters(), None)
     return (p is not None and p.device.type == "cpu" and p.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and os.environ.get(DISABLE_ENV, "0") != "1")
+            and torch.backends.mkldnn.is_available() and os.environ.get(DISABLE_ENV, "0") != "1"
+            and hardware.has("onednn_bf16"))
 
 
 @torch.no_grad()

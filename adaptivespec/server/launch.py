@@ -117,6 +117,7 @@ def run_torch(args: argparse.Namespace, first_line: str) -> int:
         return engine
 
     metrics = ServerMetrics(tuple(s.name for s in config.sources) + (("head",) if config.model.drafter else ()))
+    metrics.describe(config)
     queue = args.queue_size or DEFAULT_QUEUE_SIZE
     trim = not getattr(args, "no_trim", False)
     worker = (Worker(None, queue, metrics, build=build, trim=trim) if parallel == 1

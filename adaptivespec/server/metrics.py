@@ -32,6 +32,10 @@ name                                               type       what
 ``adaptivespec_server_budget_rows``                histogram  draft rows the row budget chose per step
                                                               (``batch.row_budget: goodput``)
 ``adaptivespec_server_request_accept_length``      histogram  per finished request: tokens per target forward
+``adaptivespec_server_info{runtime,dtype,...}``    gauge      1, labelled with what runs: ``runtime``,
+                                                              ``dtype`` (``runtime.dtype: auto`` resolved),
+                                                              ``precision`` (``int8-float32`` ...), ``isa``
+                                                              (:func:`adaptivespec.hardware.isa`), ``target``
 =================================================  =========  =============================================
 """
 
@@ -81,8 +85,18 @@ class ServerMetrics:
         self.request_accept_length = Histogram(f"{p}_request_accept_length", "Tokens per target forward, per request",
                                                buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0),
                                                registry=reg)
+        self.info = Gauge(f"{p}_info", "What runs: runtime, dtype, precision, CPU level, target (value 1)",
+                          ["runtime", "dtype", "precision", "isa", "target"], registry=reg)
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
+
+    def describe(self, config) -> None:
+        """Label ``adaptivespec_server_info`` with what ``config`` runs on this machine (its dtype resolved)."""
+        from adaptivespec import hardware
+
+        rt = config.runtime
+        self.info.labels(runtime=rt.name, dtype=rt.dtype, precision=rt.precision, isa=hardware.isa(),
+                         target=str(config.model.target)).set(1)
 
     def observe_step(self, record: StepRecord) -> None:
         """One step of the one-request engine (a step is a target forward; called from the worker thread)."""
