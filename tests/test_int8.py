@@ -8,19 +8,22 @@ request alone and every request of a batch with requests joining and leaving.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from adaptivespec import hardware
 from adaptivespec.config import load_config
 from adaptivespec.fastpath import native
-from adaptivespec.fastpath.int8 import (Int8Linear, Int8Weight, kernel_name, quantization_of, quantize_linears,
-                                        quantize_rows, quantize_weight, reference_linear)
+from adaptivespec.fastpath.int8 import (FLOAT_EXACT_K, Int8Linear, Int8Weight, float_products, kernel_name,
+                                        quantization_of, quantize_linears, quantize_rows, quantize_weight,
+                                        reference_linear, reference_products)
 
 ROOT = Path(__file__).parents[1]
-needs_kernel = pytest.mark.skipif(kernel_name() != "onednn", reason="torch built without oneDNN's int8 kernels")
-needs_native = pytest.mark.skipif(kernel_name() != "onednn" or native.ops() is None,
+needs_native = pytest.mark.skipif(native.ops() is None,
                                   reason=f"the int8 target's C++ kernels did not build: {native.why_not()}")
 
 
@@ -40,7 +43,6 @@ def test_weights_quantize_per_output_channel():
     torch.testing.assert_close(q.float() * scale[:, None], w, atol=scale.max().item() / 2, rtol=0)
 
 
-@needs_kernel
 @pytest.mark.parametrize("k, n, bias", [(576, 960, False), (1536, 576, False), (64, 96, True), (576, 4096, False)])
 def test_kernel_is_its_reference_bit_for_bit_and_rows_do_not_see_each_other(k, n, bias):
     torch.manual_seed(k + n)
@@ -57,7 +59,6 @@ def test_kernel_is_its_reference_bit_for_bit_and_rows_do_not_see_each_other(k, n
     assert ((full.float() - close).norm() / close.norm()) < 0.03  # and it is still the layer it replaced
 
 
-@needs_kernel
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_quantize_and_epilogue_are_the_torch_ops_bit_for_bit(dtype):
@@ -102,7 +103,6 @@ def test_invariant_attention_is_attention_and_ignores_masked_and_trailing_keys()
     assert torch.equal(spread, causal)
 
 
-@needs_kernel
 @pytest.mark.parametrize("groups", [2, 4])
 def test_grouped_activation_scales_are_slices_summed_in_order(groups):
     """A scale per row and per slice of K: each slice's exact int8 product, scaled, added in slice order."""
@@ -128,7 +128,6 @@ def test_grouped_activation_scales_are_slices_summed_in_order(groups):
     assert (full.float() - close).norm() < (one - close).norm()  # finer scales, closer to the float layer
 
 
-@needs_kernel
 def test_the_largest_sums_are_exact():
     """Every product at +-127 x +-127: sums far beyond float32's 2^24 still match int64 arithmetic."""
     k, n = 1536, 64
@@ -142,6 +141,72 @@ def test_the_largest_sums_are_exact():
     acc[:, 1::2] *= -1
     want = (acc.to(torch.float32) * (1.0 / 127.0) * 3.0).to(torch.bfloat16)  # what the epilogue does: float(acc) * sw/127 * max|x|
     assert torch.equal(kernel(x), want)
+
+
+def _saturating_check() -> str:
+    """Sums whose u8 x s8 pairs overflow int16 (activations quantized to 1 or 255, weights +-127 of one
+    sign: 2 x 255 x 127 = 64,770), at few and many rows, whole and in slices of K: this machine's kernel
+    equals the exact reference bit for bit. Returns the kernel's name."""
+    torch.manual_seed(7)
+    k, n = 1536, 96
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    qweight[:16], qweight[16:32] = 127, -127
+    x = torch.randn(40, k).sign() * 2.0  # every element at +-max|x|: q is 1 or 255
+    x[5:10] = x[5:10].abs()  # rows of one sign: every pair of products at 255 x 127 with the +127 columns
+    x[10:20] += torch.randn(10, k) * 0.3  # and some rows of ordinary values
+    x = x.bfloat16()
+    for groups in (1, 3):
+        kernel = Int8Weight(qweight, torch.rand(n) + 0.5, torch.randn(n), groups=groups)
+        q, amax = kernel.quantize(x)
+        want = None
+        for g in range(groups):
+            s = slice(g * k // groups, (g + 1) * k // groups)
+            part = reference_products(q[:, s], qweight[:, s], kernel.scale).mul_(amax[:, g:g + 1])
+            want = part if want is None else want.add_(part)
+        want = want.add_(kernel.bias).to(torch.bfloat16)
+        for rows in (slice(0, 1), slice(4, 9), slice(0, 16), slice(0, 40)):  # ours, and oneDNN's beyond 16 on VNNI
+            assert torch.equal(kernel(x[rows]), want[rows]), (kernel.kernel, groups, rows)
+    return kernel.kernel
+
+
+def test_sums_that_saturate_int16_pairs_are_exact_on_this_machines_kernel():
+    assert _saturating_check() == kernel_name(native.ops())
+
+
+def test_sums_that_saturate_int16_pairs_are_exact_under_the_avx2_cap():
+    """The same check in a process capped at AVX2 (torch and oneDNN too): our AVX2 kernel where it builds,
+    exact float32 slices where not; never oneDNN's AVX2 int8, whose pairs saturate."""
+    script = f"import runpy; print(runpy.run_path({str(Path(__file__))!r})['_saturating_check']())"
+    out = subprocess.run([sys.executable, "-c", script], env=hardware.capped_env("avx2"), capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == ("avx2" if native.ops() is not None else "float")
+
+
+@pytest.mark.skipif(hardware.missing("vnni") is not None, reason=str(hardware.missing("vnni")))
+def test_onednn_int8_is_exact_with_vnni():
+    """Where the CPU has VNNI oneDNN's ``qlinear`` (our kernel's partner beyond 16 rows) sums exactly."""
+    if kernel_name(native.ops()) != "vnni":
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(3)
+    kernel = Int8Weight(torch.randint(-127, 128, (64, 1536), dtype=torch.int8), torch.ones(64))
+    q = torch.randint(0, 256, (20, 1536), dtype=torch.uint8)
+    q[:4] = 255
+    assert torch.equal(kernel.products(q), reference_products(q, kernel.qweight, kernel.scale))
+
+
+def test_float_kernel_slices_k_where_float32_sums_would_round():
+    """A 1536-deep row of 127 x 127 products sums to 24,774,144 > 2^24: one float32 matmul rounds it, the
+    ``float`` kernel's slices of at most FLOAT_EXACT_K (each below 2^24, added in int32) do not."""
+    assert FLOAT_EXACT_K * 127 * 127 < 2 ** 24
+    qweight = torch.full((16, 1536), 127, dtype=torch.int8)
+    qweight[:, ::7] = -127
+    q = torch.full((3, 1536), 255, dtype=torch.uint8)
+    q[1, 1::2] = 1
+    w = qweight.float().t().contiguous()
+    slices = [w[i:i + FLOAT_EXACT_K] for i in range(0, 1536, FLOAT_EXACT_K)]
+    scale = torch.ones(16)
+    assert torch.equal(float_products(q, slices, scale), reference_products(q, qweight, scale))
 
 
 def test_keep_leaves_layers_in_float_and_whole_fused_groups():
@@ -177,7 +242,6 @@ def smol_int8():
     return load_target("smollm2-135m-instruct", "bfloat16", quantization="int8", groups={"down_proj": 4, "lm_head": 3})
 
 
-@needs_kernel
 @pytest.mark.model
 def test_fused_projections_compute_what_each_layer_computes_alone(smol_int8):
     """The fused forward's q|k|v and gate|up matmuls (one int8 weight each) give, bit for bit, the

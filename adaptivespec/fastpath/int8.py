@@ -6,8 +6,20 @@ those named in ``runtime.quantization_keep`` stay in the model's dtype) with :cl
 - **weights** rounded once to int8 with one scale per output channel (``w ~ qw * sw``, ``|qw| <= 127``);
 - **activations** rounded to int8 at each matmul's input with one scale per row (``x ~ qx * sx``),
   computed from the row alone (its largest magnitude / 127);
-- the product ``qx . qw`` summed in int32 by a VNNI kernel (oneDNN's ``qlinear``, the weight laid out
-  once), then ``y = float(acc) * sw * sx`` in float32 and rounded to the model's dtype.
+- the product ``qx . qw`` summed in int32, exactly, then ``y = float(acc) * sw * sx`` in float32 and
+  rounded to the model's dtype.
+
+The int32 sums are exact on every CPU, so the int8 target computes the same numbers everywhere; the
+kernel is chosen per CPU (:func:`kernel_name`, asking :mod:`adaptivespec.hardware`):
+
+- ``vnni`` (AVX512-VNNI): our kernel up to :data:`VNNI_MAX_ROWS` rows, oneDNN's prepacked ``qlinear``
+  beyond (``vpdpbusd`` sums u8 x s8 products straight into int32);
+- ``avx2`` (no VNNI): our AVX2 kernel for every row count (``int8_linear_avx2``: both operands widened
+  to int16, ``vpmaddwd`` sums pairs into int32). Not oneDNN's, nor torch's ``_int_mm``: on AVX2 they
+  multiply u8 x s8 by ``vpmaddubsw``, which saturates each pair of products at int16 (measured: 80% of
+  the outputs of a 1536-deep matmul of large values wrong; the held-out perplexity +5.1% instead of +1.2%);
+- ``float`` (neither, or no C++ compiler): the integers multiplied in float32 in slices of at most
+  :data:`FLOAT_EXACT_K` of K (each slice's sum below 2^24: exact), the slices added in int32. Slow.
 
 Integer sums do not depend on the order they are added in, and every other step above reads one
 row only: a row's output is the same whatever else is in the matmul (one row, a verify tree, a
@@ -20,6 +32,7 @@ K this runs), so tests check the kernel bit for bit, not within a tolerance.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 import torch
@@ -29,13 +42,28 @@ VNNI_MAX_ROWS = 16
 the matmul (its fixed cost per call is a third of oneDNN's); beyond, oneDNN's ``qlinear`` (faster
 per row there). Integer sums are exact, so both give the same bits (tested)."""
 
+FLOAT_EXACT_K = 1040
+"""The ``float`` kernel's slice of K: 1040 x 127 x 127 = 16,774,160 < 2^24, so every partial sum of a
+slice is an integer float32 holds exactly (a whole 1536-deep row could reach 24,774,144: not exact)."""
+
 _QLINEAR = getattr(getattr(torch.ops, "onednn", None), "qlinear_pointwise", None)
 
 
-def kernel_name() -> str:
-    """The int32 matmul this build runs: ``onednn`` (VNNI / AMX-INT8 through oneDNN's prepacked
-    ``qlinear``) or ``reference`` (float64 sums: exact, slow; where torch has no oneDNN)."""
-    return "onednn" if _QLINEAR is not None and torch.backends.mkldnn.is_available() else "reference"
+def kernel_name(native=None) -> str:
+    """The int32 matmul this machine runs (``native``: :func:`adaptivespec.fastpath.native.ops`'s module,
+    or None): ``vnni`` (ours and oneDNN's), ``avx2`` (ours) or ``float`` (torch's float32 matmul, in
+    exact slices). Every choice exact; the module docstring says why oneDNN's int8 is not used without VNNI."""
+    from adaptivespec import hardware
+
+    if hardware.has("vnni") and (_onednn() or (native is not None and native.has_vnni())):
+        return "vnni"
+    if hardware.has("avx2") and native is not None and getattr(native, "has_avx2", lambda: False)():
+        return "avx2"
+    return "float"
+
+
+def _onednn() -> bool:
+    return _QLINEAR is not None and torch.backends.mkldnn.is_available()
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,10 +104,11 @@ class Int8Weight:
     """A W8A8 matmul: call it on ``x`` [M, K] (any float dtype) -> [M, N] in ``x``'s dtype:
     ``y = float32(int32 sum of qx * qw) * (sw / 127) * max|x|`` (+ bias), rounded to ``x``'s dtype.
 
-    ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None."""
+    ``qweight`` int8 [N, K], ``scale`` float32 [N] (``w ~ qweight * scale``), ``bias`` [N] or None. The
+    sums run on :func:`kernel_name`'s kernel; every kernel gives the same bits (tested)."""
 
-    __slots__ = ("qweight", "scale", "bias", "packed", "zero", "in_features", "out_features", "smooth", "native",
-                 "groups", "parts", "vnni")
+    __slots__ = ("qweight", "scale", "bias", "in_features", "out_features", "smooth", "native", "groups", "kernel",
+                 "ours", "packed", "zero", "floats")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  smooth: torch.Tensor | None = None, groups: int = 1) -> None:
@@ -93,24 +122,39 @@ class Int8Weight:
         self.scale = scale.float().div(127.0).contiguous()  # sw / 127: the activations' 1/127 folded in
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = self.qweight.shape
-        self.packed = None
         self.groups = groups
         if self.in_features % groups:
             raise ValueError(f"int8 groups: {groups} does not divide the layer's {self.in_features} inputs")
-        k = self.in_features // groups
-        self.parts = [self.qweight[:, g * k:(g + 1) * k].contiguous() for g in range(groups)] if groups > 1 else None
-        self.vnni = None  # (weight in the VNNI layout, 128 x each slice's column sums): our own kernel, few rows
-        if self.native is not None and self.native.has_vnni() and self.out_features % 16 == 0 and k % 4 == 0:
-            sums = self.qweight.view(self.out_features, groups, k).sum(-1, dtype=torch.int32).t().contiguous()
-            self.vnni = (self.native.pack_weight(self.qweight), sums.mul_(128))
-        if kernel_name() == "onednn" and self.qweight.device.type == "cpu":
-            self.packed = [torch.ops.onednn.qlinear_prepack(w, None) for w in (self.parts or [self.qweight])]
+        self.kernel = kernel_name(self.native)
+        self.ours = self._pack_ours()  # (weight in our kernel's layout, 128 x each slice's column sums) or None
+        self.packed = self.floats = None
+        if self.kernel == "vnni" and _onednn() and self.qweight.device.type == "cpu":
+            self.packed = [torch.ops.onednn.qlinear_prepack(w, None) for w in self._slices()]
             self.zero = torch.zeros(self.out_features, dtype=torch.int32)
+        elif self.ours is None:
+            _say_float_once()
+            self.floats = [_float_slices(w) for w in self._slices()]
+
+    def _slices(self) -> list[torch.Tensor]:
+        """The weight's ``groups`` slices of K, each contiguous [N, K / groups]."""
+        k = self.in_features // self.groups
+        return [self.qweight[:, g * k:(g + 1) * k].contiguous() for g in range(self.groups)]
+
+    def _pack_ours(self):
+        """Our kernel's weight and column sums where the kernel is ours and the shape tiles, else None."""
+        k = self.in_features // self.groups
+        if self.native is None or self.out_features % 16 or k % 4 or self.kernel == "float":
+            return None
+        if self.kernel == "vnni" and not self.native.has_vnni():
+            return None
+        sums = self.qweight.view(self.out_features, self.groups, k).sum(-1, dtype=torch.int32).t().contiguous()
+        pack = self.native.pack_weight if self.kernel == "vnni" else self.native.pack_weight_avx2
+        return pack(self.qweight), sums.mul_(128)
 
     def products(self, q: torch.Tensor, g: int = 0) -> torch.Tensor:
         """``(q - 128) . qweight`` per row (of slice ``g`` of K), times the weight scales: float32 [M, N]."""
         if self.packed is None:
-            return reference_products(q, self.parts[g] if self.parts else self.qweight, self.scale)
+            return float_products(q, self.floats[g], self.scale)
         # x_scale 1, zero point 128: the kernel sums (q - 128) * qw in int32 and scales by sw in float32
         return _QLINEAR.default(q, 1.0, 128, self.packed[g], self.scale, self.zero, None, 1.0, 0, torch.float32,
                                 "none", [], "")
@@ -124,12 +168,18 @@ class Int8Weight:
         q, amax = quantize_rows(xs.view(M * G, -1), None, self.native)
         return q.view(M, -1), amax.view(M, G)
 
+    def _ours_for(self, rows: int) -> bool:
+        """Whether our kernel runs ``rows`` rows: always without oneDNN (AVX2); with it, few rows only."""
+        if self.ours is None:
+            return False
+        return self.packed is None or rows <= 2 or (rows <= VNNI_MAX_ROWS and self.out_features <= 4096)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, G = x.shape[0], self.groups
         q, amax = self.quantize(x)
-        if self.vnni is not None and (rows <= 2 or (rows <= VNNI_MAX_ROWS and self.out_features <= 4096)
-                                      or self.packed is None):  # our VNNI kernel, the scaling fused
-            return self.native.int8_linear(q, amax, self.vnni[0], self.vnni[1], self.scale, self.bias, x.dtype)
+        if self._ours_for(rows):  # our kernel, the scaling fused
+            run = self.native.int8_linear if self.kernel == "vnni" else self.native.int8_linear_avx2
+            return run(q, amax, self.ours[0], self.ours[1], self.scale, self.bias, x.dtype)
         if G == 1:
             return scale_rows(self.products(q), amax, self.bias, x.dtype, self.native)  # float(acc) * sw/127 * max|x|
         q = q.view(rows, G, -1)
@@ -137,6 +187,36 @@ class Int8Weight:
         for g in range(1, G):  # the slices' results added in order: the same sums whatever the rows
             y.add_(self.products(q[:, g].contiguous(), g).mul_(amax[:, g:g + 1]))
         return (y if self.bias is None else y.add_(self.bias)).to(x.dtype)
+
+
+def _float_slices(qweight: torch.Tensor) -> list[torch.Tensor]:
+    """``qweight`` [N, K] as float32 [k, N] slices of K, each at most :data:`FLOAT_EXACT_K` deep."""
+    w = qweight.float().t()
+    return [w[k:k + FLOAT_EXACT_K].contiguous() for k in range(0, w.shape[0], FLOAT_EXACT_K)]
+
+
+def float_products(q: torch.Tensor, slices: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+    """``(q - 128) . qweight`` times ``scale`` by float32 matmuls (the ``float`` kernel): each slice's sums
+    are integers below 2^24 (exact in float32, in any order; assumes torch's default float32 matmul
+    precision, "highest"), converted to int32 and added there."""
+    x = q.float().sub_(128.0)
+    acc, k = None, 0
+    for w in slices:
+        part = torch.mm(x[:, k:k + w.shape[0]], w).to(torch.int32)
+        acc, k = (part if acc is None else acc.add_(part)), k + w.shape[0]
+    return acc.to(torch.float32).mul_(scale)
+
+
+_SAID: set[str] = set()
+
+
+def _say_float_once() -> None:
+    from adaptivespec import hardware
+
+    if "float" not in _SAID:
+        _SAID.add("float")
+        logging.getLogger("adaptivespec.int8").warning(
+            "adaptivespec: int8 matmuls in exact float32 slices (%s, our int8 kernels not built): slow", hardware.describe())
 
 
 def reference_products(q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@
 //                softmax: the sums are the same whatever the other rows, the masked keys or the
 //                number of keys after the last visible one.
 #include <torch/extension.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <ATen/Parallel.h>
@@ -130,6 +130,14 @@ inline float exp_poly(float x) {
   return x < -87.0f ? 0.0f : y;
 }
 
+// The sum of 16 floats as a tree (halves, then quarters, ...): one order of additions whatever the ISA.
+inline float tree_sum16(const float* p) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = p[i] + p[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
 struct Pair {  // one (row, query head): its running max, sum and output
   const float* q;  // [D], pre-scaled
   float m, l;
@@ -205,14 +213,11 @@ inline void block(Pair* pairs, int np, const float* __restrict kt, const float* 
 #if defined(__AVX512F__)
     const __m512 pv = _mm512_maskz_mov_ps(live, exp_poly16(_mm512_sub_ps(_mm512_load_ps(s), _mm512_set1_ps(m))));
     _mm512_store_ps(p, pv);
-    P.l = P.l + _mm512_reduce_add_ps(pv);  // one fixed order of additions (a block's dead lanes are 0)
 #else
     for (int jj = 0; jj < B; ++jj) p[jj] = exp_poly(s[jj] - m);
     for (int jj = nb; jj < B; ++jj) p[jj] = 0.f;
-    float l = P.l;
-    for (int jj = 0; jj < nb; ++jj) l = l + p[jj];
-    P.l = l;
 #endif
+    P.l = P.l + tree_sum16(p);  // one fixed order of additions on every ISA (a block's dead lanes are 0)
 #if defined(__AVX512F__)
     if (D == 64) {
       __m512 a0 = _mm512_loadu_ps(acc), a1 = _mm512_loadu_ps(acc + 16), a2 = _mm512_loadu_ps(acc + 32),
@@ -575,6 +580,142 @@ at::Tensor int8_linear(const at::Tensor& q, const at::Tensor& amax, const at::Te
 #endif
 }
 
+// -- the int8 matmul without VNNI ---------------------------------------------------------------------
+// AVX2's u8 x s8 instruction (vpmaddubsw, what oneDNN's and FBGEMM's AVX2 int8 kernels run) adds each
+// pair of products into an int16 with saturation: 255 * 127 * 2 = 64,770 does not fit, so sums of large
+// activations and weights come out wrong (measured: 80% of a random 20 x 1536 x 64 matmul's outputs).
+// This kernel widens both operands to int16 first and multiplies by vpmaddwd, whose pair sums land in
+// int32: exact, the same acc as vpdpbusd, so the same bits as the VNNI kernel above.
+// pack_weight_avx2   qweight int8 [N, K] (N a multiple of 16, K of 2) -> int8 [N / 8][K / 2][8][2]
+// int8_linear_avx2   int8_linear's arguments and result (packed by pack_weight_avx2)
+bool has_avx2() {
+#if defined(__AVX2__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_weight_avx2(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack_weight_avx2: int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "pack_weight_avx2: N a multiple of 16, K of 2");
+  auto wc = w.contiguous();
+  auto out = at::empty({N / 8, K / 2, 8, 2}, w.options());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t nb = 0; nb < N / 8; ++nb)
+    for (int64_t k2 = 0; k2 < K / 2; ++k2)
+      for (int c = 0; c < 8; ++c)
+        for (int t = 0; t < 2; ++t) dst[((nb * (K / 2) + k2) * 8 + c) * 2 + t] = src[(nb * 8 + c) * K + k2 * 2 + t];
+  return out;
+}
+
+#if defined(__AVX2__)
+constexpr int MR2 = 6;  // rows per tile: 6 x 2 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers
+
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+
+inline void store8(at::BFloat16* dst, __m256 v) {  // round to nearest even, as torch's float -> bfloat16
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_srli_epi32(_mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x400000)), nan), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+}
+
+// One tile: R rows x 16 columns (two blocks of 8). q16: the rows' q widened to int16 [M][K].
+template <int R, typename T>
+inline void linear_tile_avx2(const int16_t* q16, int64_t K, const float* amax, int64_t G, const int8_t* packed,
+                             const int32_t* colsum, int64_t N, int64_t nb, const float* scale, const float* bias,
+                             T* out, int64_t m0) {
+  const int64_t K2 = K / 2, Kg2 = K2 / G;
+  __m256 y[R][2];
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t k2 = g * Kg2; k2 < (g + 1) * Kg2; ++k2) {
+      __m256i w[2];  // 8 columns x 2 k, widened: each int32 lane holds one column's pair
+      for (int c = 0; c < 2; ++c)
+        w[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + ((nb + c) * K2 + k2) * 16)));
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, q16 + (m0 + r) * K + 2 * k2, 4);
+        const __m256i av = _mm256_set1_epi32(a);
+        for (int c = 0; c < 2; ++c) acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_madd_epi16(av, w[c]));
+      }
+    }
+    for (int c = 0; c < 2; ++c) {  // the VNNI kernel's epilogue, operation for operation
+      const __m256i cs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum + g * N + (nb + c) * 8));
+      const __m256 sc = _mm256_loadu_ps(scale + (nb + c) * 8);
+      for (int r = 0; r < R; ++r) {
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][c], cs)), sc);
+        v = _mm256_mul_ps(v, _mm256_set1_ps(amax[(m0 + r) * G + g]));
+        y[r][c] = g == 0 ? v : _mm256_add_ps(y[r][c], v);
+      }
+    }
+  }
+  for (int c = 0; c < 2; ++c) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + (nb + c) * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) store8(out + (m0 + r) * N + (nb + c) * 8, bias ? _mm256_add_ps(y[r][c], bv) : y[r][c]);
+  }
+}
+
+template <typename T>
+inline void linear_cols_avx2(const int16_t* q16, int64_t K, const float* amax, int64_t G, const int8_t* packed,
+                             const int32_t* colsum, int64_t N, int64_t nb, const float* scale, const float* bias,
+                             T* out, int64_t M) {
+  int64_t m0 = 0;
+  for (; m0 + MR2 <= M; m0 += MR2) linear_tile_avx2<MR2>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0);
+  switch (M - m0) {
+    case 1: linear_tile_avx2<1>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0); break;
+    case 2: linear_tile_avx2<2>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0); break;
+    case 3: linear_tile_avx2<3>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0); break;
+    case 4: linear_tile_avx2<4>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0); break;
+    case 5: linear_tile_avx2<5>(q16, K, amax, G, packed, colsum, N, nb, scale, bias, out, m0); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void linear_impl_avx2(const int16_t* q16, const float* amax, int64_t G, const int8_t* packed, const int32_t* colsum,
+                      const float* scale, const float* bias, T* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = N / 16;  // 16 columns a task; each runs every row over its columns
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(32, tiles / (2 * at::get_num_threads())));
+  at::parallel_for(0, tiles, grain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) linear_cols_avx2(q16, K, amax, G, packed, colsum, N, 2 * t, scale, bias, out, M);
+  });
+}
+#endif
+
+at::Tensor int8_linear_avx2(const at::Tensor& q, const at::Tensor& amax, const at::Tensor& packed,
+                            const at::Tensor& colsum, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                            at::ScalarType dtype) {
+#if defined(__AVX2__)
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "int8_linear_avx2: q uint8 [M, K]");
+  const int64_t M = q.size(0), K = q.size(1), N = packed.size(0) * 8, G = colsum.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K && (K / 2) % G == 0 && amax.numel() == M * G && N % 16 == 0,
+              "int8_linear_avx2: shapes");
+  const auto q16 = q.to(at::kShort).contiguous();  // 0..255: u8 x s8 products of int16s, pairs summed in int32
+  auto out = at::empty({M, N}, q.options().dtype(dtype));
+  auto a = amax.contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  if (dtype == at::kBFloat16)
+    linear_impl_avx2(q16.data_ptr<int16_t>(), a.data_ptr<float>(), G, packed.data_ptr<int8_t>(),
+                     colsum.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, out.data_ptr<at::BFloat16>(), M, N, K);
+  else
+    linear_impl_avx2(q16.data_ptr<int16_t>(), a.data_ptr<float>(), G, packed.data_ptr<int8_t>(),
+                     colsum.data_ptr<int32_t>(), scale.data_ptr<float>(), bp, out.data_ptr<float>(), M, N, K);
+  return out;
+#else
+  TORCH_CHECK(false, "int8_linear_avx2: built without AVX2");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "int8 per-row quantization");
   m.def("scale_rows", &scale_rows, "int8 epilogue: rows times their scale (+ bias), to dtype");
@@ -583,4 +724,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, a row's sums in one fixed order");
   m.def("has_vnni", &has_vnni, "whether int8_linear was built");
   m.def("int8_linear", &int8_linear, "W8A8 matmul with per-row (and per-slice) activation scales");
+  m.def("has_avx2", &has_avx2, "whether int8_linear_avx2 was built");
+  m.def("pack_weight_avx2", &pack_weight_avx2, "int8 weight in the AVX2 (vpmaddwd) layout");
+  m.def("int8_linear_avx2", &int8_linear_avx2, "int8_linear by exact int16 products (no VNNI)");
 }
