@@ -45,7 +45,11 @@ def eos_ids(tokenizer, target) -> frozenset[int]:
 
 
 def load_models(config: Config, host) -> tuple[Any, Any, Any]:
-    """(target, tokenizer, drafter or None), cached per process so several configs share one load."""
+    """(target, tokenizer, drafter or None), cached per process so several configs share one load.
+    A runtime class with its own ``load_models(config, host)`` loads them (the llamacpp runtime: a GGUF file)."""
+    own = getattr(host.runtimes.get(config.runtime.name).cls, "load_models", None)
+    if own is not None:
+        return own(config, host)
     rt = config.runtime
     key = (config.model.target, rt.dtype, rt.device, rt.quantization, rt.quantization_keep, rt.quantization_groups)
     if key not in _MODELS:

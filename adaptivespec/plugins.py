@@ -41,6 +41,7 @@ BUILTIN_PLUGINS = {
     "eagle3": "adaptivespec.drafter",
     "torch": "adaptivespec.runtime",
     "torch-cuda-graphs": "adaptivespec.fastpath.cuda_graphs",
+    "llamacpp": "adaptivespec.llamacpp.runtime",
     "retrieval": "adaptivespec.sources.retrieval",
     "grammar": "adaptivespec.sources.grammar",
 }

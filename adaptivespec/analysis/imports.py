@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
              "metrics",
      ("adaptivespec.config", "adaptivespec.constraints", "adaptivespec.fusion", "adaptivespec.proposal",
       "adaptivespec.models", "adaptivespec.paths", "adaptivespec.drafter", "adaptivespec.runtime", "adaptivespec.fastpath",
-      "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
+      "adaptivespec.llamacpp", "adaptivespec.decode", "adaptivespec.trace", "adaptivespec.sampling", "adaptivespec.metrics")),
     ("batch", "continuous batching: request states, the scheduler (queues, admission, step plans), the draft heads "
               "across lanes, the model runner over ragged rows, the row budget, the prefix cache; each request's step "
               "through its lane's `Engine`", ("adaptivespec.batch",)),
