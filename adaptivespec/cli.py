@@ -61,6 +61,8 @@ def add_generate_parser(sub) -> None:
                      'per line (at temperature > 0 record i uses generation.seed + i unless it has its own "seed"; '
                      'a record\'s "response_format" replaces generation.response_format for it)')
     p.add_argument("--max-new-tokens", type=positive_int, help="override generation.max_new_tokens")
+    p.add_argument("--runtime", metavar="NAME", help="run on this registered runtime (runtime.name): torch, llamacpp "
+                   "(the target a GGUF file: --set model.target=PATH.gguf; the embedded target's shipped file by default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set verifier.kappa=0.5 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON line per prompt instead of streaming")
@@ -124,6 +126,8 @@ def run_generate(args) -> int:
     overrides = list(args.overrides)
     if args.max_new_tokens:
         overrides.append(f"generation.max_new_tokens={args.max_new_tokens}")
+    if getattr(args, "runtime", None):
+        overrides.append(f"runtime.name={args.runtime}")
     if getattr(args, "json_schema", None) is not None:
         overrides.append("generation.response_format=" + json.dumps({"type": "json_schema", "schema": args.json_schema}))
     if getattr(args, "regex", None) is not None:
@@ -131,6 +135,8 @@ def run_generate(args) -> int:
     config = load_config(args.config, overrides)
     prompts = [{"prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts)
     engine = Engine(config, structured=any(item.get("response_format") is not None for item in prompts))
+    describe = getattr(engine.runtime, "describe", None)  # a runtime that names what it ran (llamacpp: the GGUF file)
+    ran = describe() if describe is not None else f"{config.runtime.name} {config.runtime.precision}"
     trace = open(args.trace, "w") if args.trace else None
     try:
         for i, item in enumerate(prompts):
@@ -152,8 +158,7 @@ def run_generate(args) -> int:
                       f"{s['tokens_per_second']:.2f} tok/s, "
                       f"{s['target_forwards']} target forwards, accept length {s['accept_length_mean']:.2f}, "
                       f"{s['promoted_tokens']} promoted, {config.policy.name}+{config.verifier.name}"
-                      f"{'' if engine.lossless else ' (lossy)'}, {config.runtime.name} {config.runtime.precision} "
-                      f"on {hardware.isa()}]", flush=True)
+                      f"{'' if engine.lossless else ' (lossy)'}, {ran} on {hardware.isa()}]", flush=True)
     finally:
         if trace is not None:
             trace.close()

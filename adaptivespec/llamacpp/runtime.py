@@ -118,8 +118,9 @@ class LlamaCppRuntime:
         self.rows = None  # the last verify's TreeRows
 
     def describe(self) -> str:
-        """``llamacpp <file> (<threads> threads)``: what ran, for summary lines."""
-        return f"llamacpp {self.model.path.name} ({self.threads} threads)"
+        """``llamacpp <file>, head <dtype>, <n> threads``: what ran, for summary lines."""
+        head = f", head {str(self.dtype).removeprefix('torch.')}" if self.drafter is not None else ""
+        return f"llamacpp {self.model.path.name}{head}, {self.threads} threads"
 
     def cost_table(self):
         """No measured cost table yet on this runtime: cost-aware policies keep their profile."""
