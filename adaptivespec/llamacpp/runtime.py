@@ -23,6 +23,7 @@ between steps (``P`` = tokens the target has processed)::
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import torch
@@ -116,6 +117,7 @@ class LlamaCppRuntime:
         self.root_state: torch.Tensor | None = None
         self.root_logp: torch.Tensor | None = None
         self.rows = None  # the last verify's TreeRows
+        self._costs = None
 
     def describe(self) -> str:
         """``llamacpp <file>, head <dtype>, <n> threads``: what ran, for summary lines."""
@@ -123,8 +125,14 @@ class LlamaCppRuntime:
         return f"llamacpp {self.model.path.name}{head}, {self.threads} threads"
 
     def cost_table(self):
-        """No measured cost table yet on this runtime: cost-aware policies keep their profile."""
-        return None
+        """This machine's measured step costs on this file (llama.cpp's decode by rows, the head's
+        level), for the policies that price steps: read from the cache or measured (~10-20 s) and cached
+        (:func:`~adaptivespec.llamacpp.costs.load_or_measure`)."""
+        if self._costs is None:
+            from adaptivespec.llamacpp.costs import load_or_measure
+
+            self._costs = load_or_measure(self, log=lambda m: print(m, file=sys.stderr, flush=True))
+        return self._costs
 
     # -- buffers ------------------------------------------------------------------------------------
     def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0) -> ShapeBank:
