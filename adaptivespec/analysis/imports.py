@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
               "across lanes, the model runner over ragged rows, the row budget, the prefix cache; each request's step "
               "through its lane's `Engine`", ("adaptivespec.batch",)),
     ("interfaces", "the command line, the generated reference, the pytest kit for plugin authors",
-     ("adaptivespec.cli", "adaptivespec.reference", "adaptivespec.testing")),
+     ("adaptivespec.cli", "adaptivespec.__main__", "adaptivespec.reference", "adaptivespec.testing")),
     ("serving", "the two engines, which never import each other: SGLang (plugin, command, loopback servers), "
                 "the torch server",
      ("adaptivespec.sglang", "adaptivespec.server")),
