@@ -32,11 +32,21 @@ def test_a_float32_llama_on_a_cpu_gets_the_fused_forward_with_torch_ops_only():
     ff = fast_forward(model)
     assert isinstance(ff, FastLlama) and fast_forward(model) is ff
     assert ff.sgl is None and ff.kernel is None and ff.native is None  # no bf16 / AVX-512 kernels
-    assert ff.backend == "onednn"
+    assert ff.backend == "torch"
     for L in ff.layers:
         assert all(isinstance(w, Float32Weight) for w in (L.qkv, L.o, L.gate_up, L.down))
     assert isinstance(ff.lm_head, Float32Weight)
     assert ff.layers[0].qkv.out_features == 128 + 2 * 64  # Q|K|V in one matmul (4 heads, 2 KV heads of 32)
+
+
+def test_a_dtype_change_rebuilds_the_fused_forward():
+    model = tiny()
+    if supported(model) is not None:
+        pytest.skip(f"no bfloat16 fused forward here: {supported(model)}")
+    assert fast_forward(model).dtype == torch.bfloat16
+    model.float()
+    ff = fast_forward(model)
+    assert ff.dtype == torch.float32 and isinstance(ff.lm_head, Float32Weight)
 
 
 def test_the_switch_keeps_transformers_forward_for_float32(monkeypatch):

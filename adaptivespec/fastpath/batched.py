@@ -20,9 +20,9 @@ set of row counts (they keep per-shape state: see
 :data:`adaptivespec.runtime.PREFILL_ROWS_MULTIPLE`); a padded row attends nothing, writes no
 cache and is dropped from the outputs.
 
-The target's layer pieces come from :class:`~adaptivespec.fastpath.forward.FastLlama` (bfloat16 on a
-CPU, fused) or :class:`ModuleLayers` (any Llama-family model's own modules, float32 included, so
-the batch engine's float32 output can be checked token for token against greedy decoding).
+The target's layer pieces come from :class:`~adaptivespec.fastpath.forward.FastLlama` (bfloat16 or
+float32 on a CPU, fused; float32 on torch's own ops, any CPU) or :class:`ModuleLayers` (any
+Llama-family model's own modules, where the fused forward does not apply or is switched off).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A lean forward for Llama-layout targets in bfloat16 on a CPU: the torch runtime's plain step, fused.
+"""A lean forward for Llama-layout targets on a CPU, bfloat16 or float32: the torch runtime's plain step, fused.
 
 Llama-layout: Llama, Mistral, Qwen2 and Qwen3 (:data:`ARCHITECTURES`; full-attention layers only).
 
@@ -8,19 +8,25 @@ two for gate and up). At SmolLM2-135M's size a one-token step is ~30 ms, of whic
 layers' matmuls are ~70 %; the rest is per-op and per-call overhead, paid 30 times. :class:`FastLlama`
 computes the same function directly from the model's weights:
 
-- one Q|K|V projection and one gate|up projection per layer (weights concatenated once, prepacked),
-  i.e. 4 matmuls per layer instead of 7;
+- one Q|K|V projection and one gate|up projection per layer (weights concatenated once; prepacked in
+  bfloat16), i.e. 4 matmuls per layer instead of 7;
 - RMSNorm as one fused op (``torch.nn.functional.rms_norm``, with the same bfloat16 rounding as
   transformers' ``LlamaRMSNorm``), rotary embedding of Q and K together, SwiGLU in place;
 - grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` straight on the
   in-place cache's views (:mod:`adaptivespec.fastpath.kvcache`).
 
-Matmuls use oneDNN with prepacked weights (:mod:`adaptivespec.fastpath.prepack`) or, when SGLang's CPU
+bfloat16 matmuls use oneDNN with prepacked weights (:mod:`adaptivespec.fastpath.prepack`) or, when SGLang's CPU
 kernel package ``sgl_kernel`` imports (optional; ``scripts/install_sglang_cpu.sh``), its AMX
 ``weight_packed_linear``, RMSNorm and SwiGLU kernels, which carry much less fixed cost per call
 than oneDNN's at one row. ``$ADAPTIVESPEC_NO_FASTFORWARD=1`` keeps transformers' forward,
 ``$ADAPTIVESPEC_NO_SGL_KERNEL=1`` keeps torch's ops; ``$ADAPTIVESPEC_NO_PREPACK=1`` turns the whole
-bfloat16 fast path off. float32 models are never touched (their greedy output stays the reference).
+bfloat16 fast path off.
+
+float32 (what ``runtime.dtype: auto`` picks on CPUs without fast bf16, e.g. AVX2-only ones) runs the
+same fused forward on torch's own ops only: ``F.linear`` (MKL) on the concatenated weights
+(:class:`Float32Weight`), one-op RMSNorm, SDPA; nothing that needs AVX-512 or bf16 instructions, no
+SGLang kernels. It agrees with transformers' forward to float32 rounding (~1e-5 on the logits), which
+stays the reference (``$ADAPTIVESPEC_NO_FASTFORWARD=1`` runs it; tests compare greedy output with it).
 
 The output has transformers' meaning: ``logits`` ``[1, k, V]`` (the last ``logits_to_keep`` rows, all
 when 0) and, on request, ``hidden_states`` (embeddings, each layer's output, the last one normed).
@@ -303,6 +309,11 @@ def pack(mods, dtype, sgl, invariant: bool = False) -> PackedWeight | Int8Weight
     return PackedWeight(weight, bias, sgl, invariant)
 
 
+def _backend(sgl, dtype: torch.dtype) -> str:
+    """What runs the matmuls: ``sgl_kernel``, ``onednn`` (bf16 prepacked) or ``torch`` (float32's ``F.linear``)."""
+    return "sgl_kernel" if sgl is not None else "torch" if dtype == torch.float32 else "onednn"
+
+
 class _Layer:
     __slots__ = ("qkv", "o", "gate_up", "down", "w_in", "w_post", "eps_in", "eps_post", "qk_norm", "q_norm", "k_norm",
                  "eps_qk")
@@ -316,7 +327,8 @@ class FastLlama:
         inner = model.model
         self.model = model
         self.sgl = sgl
-        self.backend = "sgl_kernel" if sgl is not None else "onednn"
+        self.dtype = next(model.parameters()).dtype
+        self.backend = _backend(sgl, self.dtype)
         self.quantization = quantization_of(model)
         self.native = None  # the int8 target's layout-invariant attention (where its kernels build)
         self.kernel = None  # the bfloat16 attention kernel (where it builds and the CPU has AVX512-BF16)
@@ -330,7 +342,7 @@ class FastLlama:
         self.hidden = cfg.hidden_size
         self.scale = self.head_dim ** -0.5
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        dtype = next(model.parameters()).dtype
+        dtype = self.dtype
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.norm_w = inner.norm.weight.detach()
@@ -478,12 +490,11 @@ def fast_forward(model):
         return None
     # the int8 target runs torch's norms and SiLU whatever is installed: one function on every install;
     # float32 runs torch's ops only (SGLang's CPU kernels are bf16 / fp16)
-    fp32 = next(model.parameters()).dtype == torch.float32
-    sgl = None if quantization_of(model) == "int8" or fp32 else _probe(sgl_ops(), model.config.hidden_size,
-                                                                 model.config.intermediate_size)
-    key = "sgl_kernel" if sgl is not None else "onednn"
+    dtype = next(model.parameters()).dtype
+    sgl = None if quantization_of(model) == "int8" or dtype == torch.float32 else _probe(
+        sgl_ops(), model.config.hidden_size, model.config.intermediate_size)
     cached = getattr(model, _ATTR, None)
-    if cached is not None and cached.backend == key:
+    if cached is not None and cached.backend == _backend(sgl, dtype) and cached.dtype == dtype:
         return cached
     ff = FastLlama(model, sgl)
     object.__setattr__(model, _ATTR, ff)  # not a submodule: keep it out of state_dict and .modules()
