@@ -160,6 +160,16 @@ def test_hybrid_generates_the_text_of_plain_decoding_on_the_same_runtime(tmp_pat
     assert generate(capsys, "hybrid.yaml", prompts) == ar
 
 
+@pytest.mark.parametrize("extra", [("--set", "generation.temperature=0.8", "--set", "generation.seed=7"),
+                                   ("--regex", "[0-9]{3}-[0-9]{4}, [A-Z][a-z]+")], ids=["sampled", "grammar"])
+def test_sampling_with_a_seed_and_grammars_run_alike_on_trees(tmp_path, capsys, extra):
+    if extra[0] == "--regex":
+        pytest.importorskip("xgrammar", reason="grammars need xgrammar (pip install -e '.[structured]')")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Give me a phone number and a name, then tell a story."}) + "\n")
+    assert generate(capsys, "hybrid.yaml", prompts, *extra) == generate(capsys, "ar.yaml", prompts, *extra)
+
+
 def test_the_summary_line_names_the_runtime_and_the_file(capsys):
     assert main(["generate", "--config", str(ROOT / "configs" / "ar.yaml"), "--runtime", "llamacpp", "--prompt", "Hi",
                  "--max-new-tokens", "4", "--set", "runtime.threads=1"]) == 0
