@@ -160,6 +160,23 @@ def test_hybrid_generates_the_text_of_plain_decoding_on_the_same_runtime(tmp_pat
     assert generate(capsys, "hybrid.yaml", prompts) == ar
 
 
+def test_a_full_cache_is_compacted_and_the_text_stays_plain_decodings(monkeypatch):
+    """Parked cells fill a cache with no slack: compactions happen mid-generation, the text is ar's."""
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+    from adaptivespec.llamacpp import runtime
+
+    monkeypatch.setattr(runtime, "CONTEXT_SLACK", 8)
+    texts, engines = [], []
+    for config in ("ar", "hybrid"):
+        engine = Engine(load_config(ROOT / "configs" / f"{config}.yaml",
+                                    ["runtime.name=llamacpp", "runtime.threads=1", "generation.max_new_tokens=128"]))
+        texts.append(engine.generate("Write a long story about a dragon who learns to cook.").token_ids)
+        engines.append(engine)
+    assert engines[1].runtime.cells.compactions > 0
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.parametrize("extra", [("--set", "generation.temperature=0.8", "--set", "generation.seed=7"),
                                    ("--regex", "[0-9]{3}-[0-9]{4}, [A-Z][a-z]+")], ids=["sampled", "grammar"])
 def test_sampling_with_a_seed_and_grammars_run_alike_on_trees(tmp_path, capsys, extra):
