@@ -47,6 +47,19 @@ def perplexity(forward, cache_for, ids: list[int], ctx: int = 512, progress=None
     return math.exp(nll / max(count, 1)), count
 
 
+def machine(model) -> dict:
+    """Where the figure came from: the CPU's level (capped by ``$ADAPTIVESPEC_CPU_ISA``), and for an int8
+    target the kernel its matmuls ran (every one exact: docs/int8.md, *Every CPU*)."""
+    from adaptivespec import hardware
+    from adaptivespec.fastpath.int8 import kernel_name, quantization_of
+    from adaptivespec.fastpath.native import ops
+
+    out = {"isa": hardware.isa()}
+    if quantization_of(model) == "int8":
+        out["int8_kernel"] = kernel_name(ops())
+    return out
+
+
 def main(argv=None) -> int:
     from adaptivespec.config import load_config
     from adaptivespec.fastpath.forward import fast_forward
@@ -82,7 +95,7 @@ def main(argv=None) -> int:
     ppl, n = perplexity(forward, lambda: buffered_cache(model.config, args.ctx), ids, args.ctx, tick)
     print(file=sys.stderr)
     print(json.dumps({"precision": rt.precision, "perplexity": round(ppl, 4), "tokens_scored": n, "ctx": args.ctx,
-                      "text_tokens": len(ids)}))
+                      "text_tokens": len(ids), **machine(model)}))
     return 0
 
 
