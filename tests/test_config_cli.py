@@ -47,7 +47,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         ("policy:\n  name: static\n  nsteps: 2\n  topk: 1\n  ndt: 8\n", [], "policy.ndt: ndt - 1 = 7 drafted nodes cannot be kept from a tree of nsteps=2, topk=1"),
         ("{}\n", ["verifier.name=margin", "verifier.kappa=0"], "verifier.kappa: expected a number in (0, 1], got 0"),
         ("{}\n", ["policy.topk=two"], "policy.topk: expected an integer, got 'two'"),
-        ("{}\n", ["runtime.name=jax"], "runtime.name: unknown runtime 'jax'; registered runtimes: torch"),
+        ("{}\n", ["runtime.name=jax"], "runtime.name: unknown runtime 'jax'; registered runtimes: llamacpp, torch"),
         ("- a\n- b\n", [], "expected a mapping"),
         ("model: [\n", [], "invalid YAML at line"),
     ],
