@@ -40,10 +40,14 @@ from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
 N_BATCH = 512
 """Tokens per ``llama_decode`` (a prompt's chunk; a tree's rows must fit)."""
+MAX_SEQUENCES = 256
+"""llama.cpp's ``LLAMA_MAX_SEQ``: sequences of one context (two taken, one per leaf of a tree)."""
 CONTEXT_SLACK = 1024
 """Cells beyond a generation's positions, for the parked cells of rejected nodes (compacted when full)."""
 _MODELS: dict[tuple, tuple] = {}
 """(target, tokenizer, drafter) per (file, head, dtype): several engines of a process share one load."""
+_FILES: dict[str, Model] = {}
+"""llama.cpp's model of each GGUF file loaded in this process."""
 
 
 def threads(config) -> int:
@@ -97,7 +101,9 @@ class LlamaCppRuntime:
             raise ConfigError("", "runtime.device", f"the llamacpp runtime runs on the CPU; got {config.runtime.device!r}")
         path = getattr(target, "path", None) or gguf_path(config.model.target)
         self.target, self.drafter = target, drafter
-        self.model = Model(path)
+        if str(path) not in _FILES:  # one llama.cpp model per file and process (memory-mapped), shared by the engines
+            _FILES[str(path)] = Model(path)
+        self.model = _FILES[str(path)]
         if hasattr(target, "config"):
             tok = getattr(target, "tokenizer", None)
             if tok is not None:
@@ -138,6 +144,12 @@ class LlamaCppRuntime:
     def prepare(self, shapes, capacity: int = 1024, extra_rows: int = 0) -> ShapeBank:
         """The shape bank (the head's level masks) for every shape the policy may choose."""
         self.bank = ShapeBank(shapes, capacity=capacity, dtype=self.dtype, device=self.device, extra_rows=extra_rows)
+        if FIRST_LEAF + self.max_rows() > MAX_SEQUENCES:
+            from adaptivespec.errors import ConfigError
+
+            raise ConfigError("", "policy", f"trees of up to {self.max_rows()} rows (ndt plus the sources' extra slots) may "
+                              f"have as many leaves, one llama.cpp sequence each; expected at most "
+                              f"{MAX_SEQUENCES - FIRST_LEAF} rows on the llamacpp runtime")
         self.ctx = None  # the tree's leaves decide the context's sequences: built again at the next reserve
         return self.bank
 
@@ -149,7 +161,7 @@ class LlamaCppRuntime:
         built once and reused by every generation that fits; the head's cache likewise."""
         rows = self.max_rows()
         n_ctx = -(-(positions + rows + 1 + CONTEXT_SLACK) // 256) * 256
-        n_seq = min(256, FIRST_LEAF + rows)
+        n_seq = min(MAX_SEQUENCES, FIRST_LEAF + rows)
         if self.ctx is None or self.ctx.n_ctx < n_ctx or self.ctx.n_seq_max < n_seq:
             self.ctx = self.cells = None  # the old cache goes before the new one is taken
             self.ctx = Context(self.model, n_ctx=n_ctx, n_batch=max(N_BATCH, rows), n_seq_max=n_seq,
