@@ -37,6 +37,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key in every config, e.g. --set runtime.dtype=float32 (repeatable); "
                    "model.drafter=DIR leaves autoregressive configs (drafter: null) autoregressive")
+    p.add_argument("--runtime", metavar="NAME", help="run every config on this registered runtime (runtime.name=NAME), "
+                   "e.g. llamacpp (the target a GGUF file: docs/llamacpp.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -98,7 +100,8 @@ def _problems(args):
     if not problems:
         raise AdaptiveSpecError(f"--dataset {args.dataset}: no problems in {args.data or 'the packaged file'}")
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS.get(args.dataset, 1024)
-    return problems, max_new, [*args.overrides, f"generation.max_new_tokens={max_new}"]
+    runtime = [f"runtime.name={args.runtime}"] if getattr(args, "runtime", None) else []
+    return problems, max_new, [*args.overrides, *runtime, f"generation.max_new_tokens={max_new}"]
 
 
 def _selection(args) -> dict:
