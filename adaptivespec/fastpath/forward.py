@@ -23,8 +23,8 @@ than oneDNN's at one row. ``$ADAPTIVESPEC_NO_FASTFORWARD=1`` keeps transformers'
 bfloat16 fast path off.
 
 float32 (what ``runtime.dtype: auto`` picks on CPUs without fast bf16, e.g. AVX2-only ones) runs the
-same fused forward on torch's own ops only: ``F.linear`` (MKL) on the concatenated weights
-(:class:`Float32Weight`), one-op RMSNorm, SDPA; nothing that needs AVX-512 or bf16 instructions, no
+same fused forward on torch's own ops only: MKL's sgemm on the concatenated weights, packed once
+for one row (:class:`Float32Weight`), one-op RMSNorm, SDPA; nothing that needs AVX-512 or bf16 instructions, no
 SGLang kernels. It agrees with transformers' forward to float32 rounding (~1e-5 on the logits), which
 stays the reference (``$ADAPTIVESPEC_NO_FASTFORWARD=1`` runs it; tests compare greedy output with it).
 
@@ -271,20 +271,28 @@ def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return qk * cos + rot * sin
 
 
+_MKL_PACK = getattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None) if torch.backends.mkl.is_available() else None
+
+
 class Float32Weight:
-    """A float32 weight ``[out, in]`` (and bias) for torch's own matmul on any CPU: call it on ``x [rows, in]``.
+    """A float32 weight ``[out, in]`` (and bias) for torch's own matmuls on any CPU: call it on ``x [rows, in]``.
 
-    ``F.linear`` (MKL's sgemm / sgemv; AVX2 suffices). Left in PyTorch's layout: oneDNN's prepacked
-    float32 matmul was no faster at a decode step's 1 to ~16 rows (docs/speed.md, *float32*)."""
+    One row (a plain decoding step) runs MKL's packed sgemm on a copy of the weight packed once for
+    one row (``torch.ops.mkl._mkl_linear``; AVX2 suffices): ~20 % less time per step than ``F.linear``
+    on a 2-vCPU AMD EPYC, capped to AVX2 or not (docs/speed.md, *float32*). Other row counts, and
+    torch builds without MKL, run ``F.linear``. oneDNN's packed float32 matmul was much slower here."""
 
-    __slots__ = ("weight", "bias", "out_features")
+    __slots__ = ("weight", "bias", "out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
+        self.packed = _MKL_PACK(self.weight, 1) if _MKL_PACK is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:  # one row: the packed copy; any other count: F.linear on the weight
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
         return F.linear(x, self.weight, self.bias)
 
 
