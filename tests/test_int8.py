@@ -226,12 +226,13 @@ def test_keep_leaves_layers_in_float_and_whole_fused_groups():
 
 
 def test_config_key_and_cost_table_key():
+    dtype = hardware.auto_dtype()  # the configs say runtime.dtype: auto
     cfg = load_config(ROOT / "configs" / "ar-int8.yaml")
-    assert cfg.runtime.quantization == "int8" and cfg.runtime.precision == "int8-bfloat16-groups-down_proj=4-lm_head=3"
+    assert cfg.runtime.quantization == "int8" and cfg.runtime.precision == f"int8-{dtype}-groups-down_proj=4-lm_head=3"
     assert cfg.runtime.groups == {"down_proj": 4, "lm_head": 3}
-    assert load_config(ROOT / "configs" / "ar.yaml").runtime.precision == "bfloat16"
+    assert load_config(ROOT / "configs" / "ar.yaml").runtime.precision == dtype
     kept = load_config(ROOT / "configs" / "ar.yaml", overrides=["runtime.quantization=int8", "runtime.quantization_keep=[lm_head]"])
-    assert kept.runtime.precision == "int8-bfloat16-keep-lm_head"
+    assert kept.runtime.precision == f"int8-{dtype}-keep-lm_head"
 
 
 # -- the int8 target on the real model -----------------------------------------------------------------
@@ -239,7 +240,8 @@ def test_config_key_and_cost_table_key():
 def smol_int8():
     from adaptivespec.models import load_target
 
-    return load_target("smollm2-135m-instruct", "bfloat16", quantization="int8", groups={"down_proj": 4, "lm_head": 3})
+    return load_target("smollm2-135m-instruct", hardware.auto_dtype(), quantization="int8",  # the configs' dtype: auto
+                       groups={"down_proj": 4, "lm_head": 3})
 
 
 @pytest.mark.model
@@ -252,7 +254,7 @@ def test_fused_projections_compute_what_each_layer_computes_alone(smol_int8):
     ff = fast_forward(model)
     assert ff is not None and ff.quantization == "int8"
     attn, mlp = model.model.layers[3].self_attn, model.model.layers[3].mlp
-    x = (torch.randn(5, model.config.hidden_size) * 4).bfloat16()
+    x = (torch.randn(5, model.config.hidden_size) * 4).to(model.dtype)
     fused = ff.layers[3]
     assert torch.equal(fused.qkv(x), torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1))
     assert torch.equal(fused.gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
