@@ -18,8 +18,8 @@ level             what it has (``/proc/cpuinfo`` flags)                        w
 ``$ADAPTIVESPEC_CPU_ISA`` caps what the project believes the CPU has (one of :data:`LEVELS`, e.g.
 ``avx2``): on an AVX-512 or AMX machine it runs the paths an AVX2 CPU would (dtype, kernels, tests'
 skips). The name is a contract checks outside the repository use. torch's and oneDNN's own dispatch
-read their own settings, to be set beside it: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2``
-(:func:`capped_env` gives all three).
+read their own settings, to be set beside it: ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2`` (:func:`capped_env` gives them all).
 """
 
 from __future__ import annotations
@@ -226,6 +226,8 @@ def capped_env(level: str, env: dict | None = None) -> dict:
     onednn = {"baseline": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16",
               "amx": "AVX512_CORE_AMX"}[level]
     aten = {"baseline": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}[level]
+    mkl = {"baseline": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512", "amx": "AVX512"}[level]
     out["ONEDNN_MAX_CPU_ISA"] = onednn
     out["ATEN_CPU_CAPABILITY"] = aten
+    out["MKL_ENABLE_INSTRUCTIONS"] = mkl  # float32 matmuls (MKL's sgemm) too
     return out

@@ -70,7 +70,8 @@ def test_a_bad_cap_is_one_line_naming_the_variable(monkeypatch, tmp_path):
 
 def test_capped_env_sets_torch_and_onednn_beside_ours():
     env = hardware.capped_env("avx2", {})
-    assert env == {"ADAPTIVESPEC_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert env == {"ADAPTIVESPEC_CPU_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                   "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def test_dtype_auto_resolves_when_the_config_loads(monkeypatch):

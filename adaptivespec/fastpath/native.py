@@ -57,7 +57,8 @@ _STATE: dict[str, object] = {}
 
 def ops():
     """The compiled module (``quantize_rows``, ``scale_rows``, ``rms_norm``, ``pack_weight``, ``has_vnni``,
-    ``int8_linear``, ``attend``), or None (see :func:`why_not`)."""
+    ``int8_linear``, ``has_avx2``, ``pack_weight_avx2``, ``int8_linear_avx2`` (exact int32 sums without VNNI),
+    ``attend``), or None (see :func:`why_not`)."""
     if "ops" not in _STATE:
         _STATE["ops"], _STATE["why"] = _build("adaptivespec_int8_ops", SOURCE, FLAGS)
         if _STATE["ops"] is None:
