@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -39,7 +40,8 @@ def machine_key(rt) -> dict:
             "dtype": str(rt.dtype).removeprefix("torch.") if rt.drafter is not None else "none"}
 
 
-def cost_path(key: dict) -> "Path":  # noqa: F821
+def cost_path(key: dict) -> Path:
+    """Where the table for ``key`` is cached: ``<cache>/costs/<cpu>-<isa>-llamacpp-<file>-<head dtype>-t<threads>.json``."""
     slug = "-".join(re.sub(r"[^A-Za-z0-9]+", "_", str(key[k])).strip("_") for k in ("cpu", "isa", "runtime", "target", "dtype"))
     return cache_dir() / "costs" / f"{slug}-t{key['threads']}.json"
 
