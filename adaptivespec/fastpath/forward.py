@@ -84,11 +84,12 @@ def supported(model) -> str | None:
 
 def dtype_unsupported(module) -> str | None:
     """None where ``module``'s weights can run fused on this machine: float32 on any CPU (torch's own
-    float32 matmuls, SDPA and norms: AVX2 suffices; not an int8 target's), bfloat16 on a CPU where they
+    float32 matmuls, SDPA and norms: AVX2 suffices; an int8 target's int8 layers through
+    :class:`~adaptivespec.fastpath.int8.Int8Weight`, exact on every ISA), bfloat16 on a CPU where they
     can be prepacked (:func:`~adaptivespec.fastpath.prepack.can_prepack`); otherwise why not."""
     p = next(module.parameters(), None)
     if p is not None and p.device.type == "cpu" and p.dtype == torch.float32:
-        return None if quantization_of(module) == "none" else "an int8 target in float32"
+        return None
     if can_prepack(module):
         return None
     return "neither float32 on a CPU nor bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
