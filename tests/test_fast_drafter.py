@@ -3,7 +3,8 @@
 On the shipped head, over a prefill, two tree levels with masks and a commit-like extension: with
 torch's own ops it must reproduce the modules' outputs (states, log-probabilities, cache) bit for bit;
 with SGLang's CPU kernels (only where ``sgl_kernel`` imports) agree to bfloat16 rounding. float32
-heads never take it, and it must never serve weights older than the head's (training, loads).
+heads (``runtime.dtype: auto`` on a CPU without fast bf16) take it with torch's ops, to float32 rounding;
+it must never serve weights older than the head's (training, loads).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def head(target, dtype=torch.bfloat16) -> Eagle3Drafter:
     return d
 
 
-def tree_level(parent_slots: list[int], past: int, base: int, neg: float) -> torch.Tensor:
+def tree_level(parent_slots: list[int], past: int, base: int, neg: float, dtype=torch.bfloat16) -> torch.Tensor:
     """Additive mask [1, 1, b, past + b] of a tree level whose nodes hang below drafter slots
     ``parent_slots`` (-1: the root) of the ``past - base`` drafted since ``base`` (two levels deep
     at most); each node sees the context, itself and its parent."""
@@ -54,7 +55,7 @@ def tree_level(parent_slots: list[int], past: int, base: int, neg: float) -> tor
     allowed[range(b), range(used, used + b)] = True
     for i, p in enumerate(parent_slots):
         allowed[i, p] = p >= 0
-    mask = torch.zeros(1, 1, b, past + b, dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, b, past + b, dtype=dtype)
     mask[0, 0, :, base:].masked_fill_(~allowed, neg)
     return mask
 
@@ -64,21 +65,22 @@ def trace(d: Eagle3Drafter) -> list[torch.Tensor]:
     """Every output of a decoding step's drafter work: prefill, two tree levels, commit of 3 tokens."""
     g = torch.Generator().manual_seed(0)
     P, H, V = 40, d.target_hidden, d.config.vocab_size
-    neg = torch.finfo(torch.bfloat16).min
-    hidden = tuple(torch.randn(1, P, H, generator=g).bfloat16() for _ in range(31))
+    dt = d.lm_head.weight.dtype
+    neg = torch.finfo(dt).min
+    hidden = tuple(torch.randn(1, P, H, generator=g).to(dt) for _ in range(31))
     d.reset_cache(16)  # grows on the way
     state = d.fuse(hidden)[0]
     outs = d.step(torch.randint(0, V, (P,), generator=g), state, torch.arange(P), None)
     root = outs[-1]
     got = [state, outs, d.log_probs(root)]
     level1 = d.step(torch.randint(0, V, (4,), generator=g), root.expand(4, -1), torch.full((4,), P),
-                    tree_level([-1] * 4, P, P, neg))
+                    tree_level([-1] * 4, P, P, neg, dt))
     got += [level1, d.log_probs(level1)]
     level2 = d.step(torch.randint(0, V, (4,), generator=g), level1[[0, 0, 1, 2]], torch.full((4,), P + 1),
-                    tree_level([0, 0, 1, 2], P + 4, P, neg))
+                    tree_level([0, 0, 1, 2], P + 4, P, neg, dt))
     got += [level2, d.log_probs(level2)]
     d.length = P  # commit: drop the draft slots, run the accepted pairs
-    verified = tuple(torch.randn(1, 8, H, generator=g).bfloat16() for _ in range(31))
+    verified = tuple(torch.randn(1, 8, H, generator=g).to(dt) for _ in range(31))
     accepted = d.fuse(verified, torch.tensor([0, 1, 5]))[0]
     ext = d.step(torch.randint(0, V, (3,), generator=g), accepted, P + torch.arange(3), None)
     got += [accepted, ext, d.log_probs(ext[-1])]
@@ -143,9 +145,25 @@ def test_the_bf16_attention_kernel_in_the_fused_drafter_agrees_to_bfloat16_round
         assert torch.equal(got[i].argmax(-1), ref[i].argmax(-1))
 
 
-def test_float32_and_the_switch_keep_the_modules(target16, smol32, monkeypatch):
+def test_a_float32_head_runs_fused_on_torch_ops_to_float32_rounding(smol32, monkeypatch):
+    """float32 (the dtype on an AVX2 CPU): the fused path, no SGLang or bf16 kernel, the modules' states,
+    distributions and cache to float32 rounding, the same top tokens."""
     d32 = Eagle3Drafter.from_pretrained("embedded", smol32[0], torch.float32)
+    ref = trace(d32)
+    fast = fast_drafter(d32)
+    assert fast is not None and fast is d32.fast
+    got = trace(d32)
+    assert fast.params and len(got) == len(ref)  # packed on first use: the fused path ran
+    for r, g in zip(ref, got):
+        assert g.shape == r.shape and g.dtype == r.dtype == torch.float32
+        assert (g - r).norm() <= 1e-4 * r.norm()
+    for i in (2, 4, 6, 9):  # the draft distributions' top tokens
+        assert torch.equal(got[i].argmax(-1), ref[i].argmax(-1))
+    monkeypatch.setenv(fastdrafter.DISABLE_ENV, "1")
     assert fast_drafter(d32) is None and d32.fast is None
+
+
+def test_the_switch_keeps_the_modules(target16, monkeypatch):
     d = head(target16)
     assert fast_drafter(d) is not None
     monkeypatch.setenv(fastdrafter.DISABLE_ENV, "1")

@@ -1,12 +1,12 @@
-"""A lean inference path for the EAGLE-3 draft head in bfloat16 on a CPU (:mod:`adaptivespec.fastpath.forward` for the head).
+"""A lean inference path for the EAGLE-3 draft head on a CPU, bfloat16 or float32 (:mod:`adaptivespec.fastpath.forward` for the head).
 
 :class:`~adaptivespec.drafter.Eagle3Drafter` keeps transformers-style modules (separate Q, K and V,
 gate and up projections, ``LlamaRMSNorm``) so that its checkpoint layout and training stay those of
 SpecForge / EAGLE. A draft step runs them for one to a few rows, where each op's fixed cost dominates.
 :class:`FastEagle3` computes the same function from the same weights with fewer, fused ops:
 
-- one Q|K|V projection and one gate|up projection (weights concatenated once, prepacked); ``fc``
-  and ``lm_head`` prepacked too;
+- one Q|K|V projection and one gate|up projection (weights concatenated once; in bfloat16 prepacked,
+  ``fc`` and ``lm_head`` too; in float32 torch's own ``F.linear``);
 - RMSNorm as one op (transformers' bfloat16 rounding with torch's ops), rotary embedding of Q and K
   together, SwiGLU in place;
 - with SGLang's CPU kernels (:func:`~adaptivespec.fastpath.prepack.sgl_ops`): their packed matmuls, RMSNorm,
@@ -15,7 +15,8 @@ SpecForge / EAGLE. A draft step runs them for one to a few rows, where each op's
 With torch's ops the outputs are those of the modules bit for bit; with SGLang's kernels they agree
 to bfloat16 rounding. It applies where the target's fused forward does (:func:`supported`; the same
 ``$ADAPTIVESPEC_NO_FASTFORWARD`` / ``$ADAPTIVESPEC_NO_SGL_KERNEL`` / ``$ADAPTIVESPEC_NO_PREPACK``
-switches); float32 heads never take it. The runtime enables it once (:func:`fast_drafter`); the
+switches; the last two act on bfloat16 only): float32 heads take it on any CPU, with torch's ops
+(agreeing with the modules to float32 rounding). The runtime enables it once (:func:`fast_drafter`); the
 head's inference entry points (``fuse``, ``step``, ``log_probs``) then use it when no gradient is
 wanted and the head is in eval mode. The packed copies are rebuilt when the weights changed since
 (an optimizer step, ``load_state_dict``, any in-place update: the parameters' version counters tell),
@@ -29,17 +30,19 @@ import os
 import torch
 import torch.nn.functional as F
 
-from adaptivespec.fastpath.forward import DISABLE_ENV, AttentionPlan, _fold_mask, _probe, attend, pack, rms_norm, rope
+from adaptivespec.fastpath.forward import (DISABLE_ENV, AttentionPlan, _fold_mask, _probe, attend, dtype_unsupported,
+                                           pack, rms_norm, rope)
 from adaptivespec.fastpath.native import attention_ops
-from adaptivespec.fastpath.prepack import can_prepack, sgl_ops
+from adaptivespec.fastpath.prepack import sgl_ops
 
 
 def supported(drafter) -> str | None:
     """None when :class:`FastEagle3` can run ``drafter``; otherwise why not (a short reason)."""
     if os.environ.get(DISABLE_ENV, "0") == "1":
         return f"${DISABLE_ENV}=1"
-    if not can_prepack(drafter):
-        return "not bfloat16 on a CPU with oneDNN (or $ADAPTIVESPEC_NO_PREPACK=1)"
+    reason = dtype_unsupported(drafter)
+    if reason is not None:
+        return reason
     if getattr(drafter.config, "hidden_act", "silu") != "silu":
         return "activation differs"
     return None
@@ -164,7 +167,8 @@ def fast_drafter(drafter) -> FastEagle3 | None:
         drafter.fast = None
         return None
     cfg = drafter.config
-    sgl = _probe(sgl_ops(), cfg.hidden_size, cfg.intermediate_size)
+    fp32 = drafter.lm_head.weight.dtype == torch.float32  # torch's ops only (SGLang's CPU kernels are bf16 / fp16)
+    sgl = None if fp32 else _probe(sgl_ops(), cfg.hidden_size, cfg.intermediate_size)
     key = "sgl_kernel" if sgl is not None else "onednn"
     if drafter.fast is None or drafter.fast.backend != key:
         drafter.fast = FastEagle3(drafter, sgl)

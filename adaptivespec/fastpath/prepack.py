@@ -133,7 +133,8 @@ def can_prepack(module: torch.nn.Module) -> bool:
     (:func:`adaptivespec.hardware.has` ``onednn_bf16``: AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2
     CPU oneDNN's reorder raises), unless ``$ADAPTIVESPEC_NO_PREPACK=1``.
 
-    float32 is left alone: packed, its one-token step was slower (43 vs 33 ms) on the same machine."""
+    float32 is left alone here: oneDNN's packed float32 matmul was slower (43 vs 33 ms a step); the fused
+    float32 forward packs its weights for MKL's sgemm instead (:class:`~adaptivespec.fastpath.forward.Float32Weight`)."""
     p = next(module.parameters(), None)
     return (p is not None and p.device.type == "cpu" and p.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available() and os.environ.get(DISABLE_ENV, "0") != "1"
