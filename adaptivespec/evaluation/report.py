@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import transformers
 
-from adaptivespec import __version__
+from adaptivespec import __version__, hardware
 from adaptivespec.evaluation import plots
 from adaptivespec.evaluation.categories import CATEGORY_FIELDS, CATEGORY_PLOT, categories, category_of, format_value
 from adaptivespec.evaluation.categories import markdown as category_markdown
@@ -103,6 +103,7 @@ def machine_info(devices: list[str] = ()) -> dict[str, Any]:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     out: dict[str, Any] = {
         "cpu": cpu,
+        "isa": hardware.isa(),  # the level the project ran at (capped by $ADAPTIVESPEC_CPU_ISA where set)
         "physical_cores": physical,
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable,
