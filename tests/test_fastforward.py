@@ -148,6 +148,7 @@ def test_torch_runtime_decodes_the_same_tokens_with_and_without_the_fused_forwar
     assert decode(fast) == decode(plain)
 
 
+@pytest.mark.needs("onednn_bf16")  # oneDNN's bf16 weight reorder raises on an AVX2 CPU
 @torch.inference_mode()
 def test_packed_weight_matches_linear_on_either_kernel_and_falls_back_for_shapes_sgl_refuses():
     from adaptivespec.fastpath.prepack import PackedWeight
