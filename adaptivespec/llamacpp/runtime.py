@@ -33,8 +33,8 @@ from adaptivespec.fastpath.bank import ShapeBank
 from adaptivespec.fastpath.drafter import fast_drafter
 from adaptivespec.llamacpp.binding import Context, Model
 from adaptivespec.llamacpp.cells import FIRST_LEAF, TreeCells, tree_rows
-from adaptivespec.runtime import PREFILL_ROWS_MULTIPLE, LevelMasks
-from adaptivespec.sampling import pick_next, root_stats
+from adaptivespec.runtime import PREFILL_ROWS_MULTIPLE, LevelMasks, TorchRuntime
+from adaptivespec.sampling import root_stats
 from adaptivespec.tree import DraftLevels, draft_levels, draft_tree
 from adaptivespec.types import DraftTree, TreeShape, VerifyResult
 
@@ -214,17 +214,8 @@ class LlamaCppRuntime:
             self._set_root(last)
         return int(self.root)
 
-    def pick(self, logits: torch.Tensor, position: int) -> torch.Tensor:
-        """The token of sequence position ``position`` from the row before it (processed first)."""
-        if self.keep_logits:
-            self.last_rows = (logits.clone() if self.logits_processor is not None else logits).unsqueeze(0)
-        if self.logits_processor is not None:
-            self.logits_processor(logits)
-        return pick_next(self.sampler, logits, position)
-
-    def _set_root(self, state: torch.Tensor) -> None:
-        self.root_state = state
-        self.root_logp = self.drafter.log_probs(state)
+    pick = TorchRuntime.pick  # the same attributes (keep_logits, last_rows, logits_processor, sampler)
+    _set_root = TorchRuntime._set_root
 
     # -- autoregressive ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -438,21 +438,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 //               each group's weights), scale f32 [N] (sw / 127), bias f32 [N] or None
 //               -> y [M, N] = sum over groups g in order of float(acc_g - colsum_g) * scale * amax[:, g] (+ bias)
 // Integer sums are exact, so any tiling gives the same acc; the float steps are per element, in one order.
-at::Tensor pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack_weight: int8 [N, K]");
+// w int8 [N, K] -> [N / R][K / T][R][T]: blocks of R output rows by T inputs, each block's rows contiguous
+static at::Tensor pack_blocks(const at::Tensor& w, int64_t R, int64_t T, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, name, ": int8 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % 16 == 0 && K % 4 == 0, "pack_weight: N a multiple of 16, K of 4");
+  TORCH_CHECK(N % 16 == 0 && K % T == 0, name, ": N a multiple of 16, K of ", T);
   auto wc = w.contiguous();
-  auto out = at::empty({N / 16, K / 4, 16, 4}, w.options());
+  auto out = at::empty({N / R, K / T, R, T}, w.options());
   const int8_t* src = wc.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t nb = 0; nb < N / 16; ++nb)
-    for (int64_t k4 = 0; k4 < K / 4; ++k4)
-      for (int c = 0; c < 16; ++c)
-        for (int t = 0; t < 4; ++t)
-          dst[((nb * (K / 4) + k4) * 16 + c) * 4 + t] = src[(nb * 16 + c) * K + k4 * 4 + t];
+  for (int64_t nb = 0; nb < N / R; ++nb)
+    for (int64_t kb = 0; kb < K / T; ++kb)
+      for (int64_t c = 0; c < R; ++c)
+        for (int64_t t = 0; t < T; ++t) dst[((nb * (K / T) + kb) * R + c) * T + t] = src[(nb * R + c) * K + kb * T + t];
   return out;
 }
+
+at::Tensor pack_weight(const at::Tensor& w) { return pack_blocks(w, 16, 4, "pack_weight"); }
 
 bool has_vnni() {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -596,20 +598,7 @@ bool has_avx2() {
 #endif
 }
 
-at::Tensor pack_weight_avx2(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "pack_weight_avx2: int8 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(N % 16 == 0 && K % 2 == 0, "pack_weight_avx2: N a multiple of 16, K of 2");
-  auto wc = w.contiguous();
-  auto out = at::empty({N / 8, K / 2, 8, 2}, w.options());
-  const int8_t* src = wc.data_ptr<int8_t>();
-  int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t nb = 0; nb < N / 8; ++nb)
-    for (int64_t k2 = 0; k2 < K / 2; ++k2)
-      for (int c = 0; c < 8; ++c)
-        for (int t = 0; t < 2; ++t) dst[((nb * (K / 2) + k2) * 8 + c) * 2 + t] = src[(nb * 8 + c) * K + k2 * 2 + t];
-  return out;
-}
+at::Tensor pack_weight_avx2(const at::Tensor& w) { return pack_blocks(w, 8, 2, "pack_weight_avx2"); }
 
 #if defined(__AVX2__)
 constexpr int MR2 = 6;  // rows per tile: 6 x 2 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers
