@@ -11,7 +11,7 @@ level             what it has (``/proc/cpuinfo`` flags)                        w
 ``avx512``        AVX-512 F/BW/VL/DQ (+ ``avx512_vnni``), no bf16 dot product  float32; int8 with VNNI
 ``avx2``          AVX2 + FMA (most desktops and laptops; ``avx_vnni`` maybe)  float32 (torch's bf16 has
                                                                                no fast path: ~40-500x)
-``aarch64``       Arm: NEON, maybe SVE and bf16 (``bf16`` / ``svebf16``)       bf16 where torch says fast
+``aarch64``       Arm: NEON, maybe SVE and bf16 (``bf16`` / ``svebf16``)       bf16 with the BF16 extension
 ``baseline``      anything else (an x86-64 CPU without AVX2)                  float32, torch's own ops
 ================  ==========================================================  ==========================
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -172,19 +171,15 @@ def cpu_kind(flags: frozenset[str] | None = None) -> str | None:
 
 def fast_bf16(device: str = "cpu") -> bool:
     """Whether bfloat16 is the faster dtype on ``device``: a GPU; an x86 CPU with AMX or AVX512-BF16;
-    an Arm CPU where torch says its bf16 is fast (``torch.backends.mkldnn`` / ``cpu._is_arm_bf16``)."""
+    an Arm CPU with the BF16 extension."""
     kind = str(device).split(":")[0]
     if kind != "cpu":
         return True
     level = isa()
     if level in ("amx", "avx512_bf16"):
         return True
-    if level == "aarch64":
-        if "bf16" not in features() and "svebf16" not in features():
-            return False
-        torch = sys.modules.get("torch")
-        probe = getattr(getattr(torch, "cpu", None), "_is_arm_sve_supported", None) if torch else None
-        return bool(probe()) if probe else True
+    if level == "aarch64":  # Armv8.6 BF16 (``bf16`` / ``svebf16`` in Features): bf16 dot products
+        return bool({"bf16", "svebf16"} & features())
     return False
 
 
