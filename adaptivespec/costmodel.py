@@ -7,12 +7,15 @@ Three pieces, used by the ``cost_aware`` tree policy and reusable on any candida
   small JSON *profile*::
 
       t(step) = fixed + per_context * P + per_draft_level * L + per_draft_node * E
-                + (per_verified_token + per_verified_token_context * P) * n
+                + (per_verified_token + per_verified_token_context * P) * n + tree_step * [n >= 2]
 
   (``P`` committed positions, ``L`` drafter forwards, ``E`` nodes run through the drafter, ``n``
   tokens verified, the root included). Every verified row attends over the whole context, so a
   row costs more as the prompt grows: ``per_verified_token_context`` is that growth (0 in a
-  profile fitted on prompts of one length, or written before the term existed).
+  profile fitted on prompts of one length, or written before the term existed). ``tree_step`` is
+  what a verify of two or more rows costs beyond the line through one row: llama.cpp runs one row
+  through matrix-vector kernels and two or more through matrix-matrix ones, and on a CPU the switch
+  alone costs most of a row (0 on the torch runtime, in a fitted profile, and in older files).
 * :class:`CalibrationMap`: an online map from a drafted node's (depth, cumulative draft
   log-probability) to the probability that strict verification accepts it, updated from every
   verify result (which nodes were verified, which were on the accepted path), starting from a
@@ -45,7 +48,7 @@ DEFAULT_COST_PROFILE = "cpu-smollm2-135m-bf16.json"
 DEFAULT_PRIOR = "calibration-smollm2-135m-embedded.json"
 
 COST_TERMS = ("fixed", "per_context", "per_draft_level", "per_draft_node", "per_verified_token",
-              "per_verified_token_context")
+              "per_verified_token_context", "tree_step")
 
 LOGP_EDGES = (-0.05, -0.15, -0.3, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.5, -7.0)
 """Bin edges of the cumulative draft log-probability (bin 0 is the most likely, > -0.05)."""
@@ -217,6 +220,9 @@ class CostModel:
     per_verified_token: float = 0.0
     per_verified_token_context: float = 0.0
     """Extra milliseconds per verified token per committed position (attention over the context)."""
+    tree_step: float = 0.0
+    """Extra milliseconds of a verify of two or more rows over the line through one row (the switch
+    from matrix-vector to matrix-matrix kernels: llama.cpp's); what a plain step saves beside a tree."""
     context_ref: float = 256.0
     """Typical committed context (positions) when a caller does not know ``P``."""
     meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
@@ -225,7 +231,7 @@ class CostModel:
     def step_ms(self, verified: float, levels: float = 0, nodes: float = 0, context: float | None = None) -> float:
         P = self.context_ref if context is None else context
         return (self.fixed + self.per_context * P + self.per_draft_level * levels
-                + self.per_draft_node * nodes + self.token_ms(P) * verified)
+                + self.per_draft_node * nodes + self.token_ms(P) * verified + self.tree_step * (np.asarray(verified) >= 2))
 
     def token_ms(self, context: float | None = None) -> float:
         """Cost of one more verified token at ``context`` committed positions (default ``context_ref``)."""
@@ -286,20 +292,25 @@ class CostModel:
         read duck-typed: ``verify(rows, context)``, ``contexts``, ``draft_level(rows)``, ``draft_rows``,
         ``machine``), measured on the machine that runs.
 
-        The verify forward is taken as the line through ``rows`` = 1 and ``rows`` at each of the
-        table's two contexts (the rows a single request's tree uses), and the context terms from
-        how that line moves between them, so ``step_ms(n, context=P)`` is the table's
-        ``verify(n, P)`` at ``n`` = 1 and ``rows`` for every ``P``, plus one draft-head forward of
-        one row (the root's, which every step runs: in ``fixed`` as in a calibrated profile). A draft
-        level forwards the beam, ``topk`` rows: ``per_draft_level + topk * per_draft_node`` is
-        ``draft_level(topk)``, ``per_draft_node`` the slope from 1 row to ``topk``. A term the table
-        makes negative is 0, ``fixed`` at least 1 % of the one-row verify. ``context_ref``: the
-        context assumed where a caller gives none."""
-        R = max(2, int(rows))
+        The verify forward is taken as one row's cost at ``rows`` = 1 and, from two rows on, the line
+        through ``rows`` = 2 and ``rows`` at each of the table's two contexts (the rows a single
+        request's tree uses); where two rows cost more than that line says one more row should
+        (llama.cpp: matrix-vector kernels at one row, matrix-matrix ones from two), the difference is
+        ``tree_step`` (the mean of the two contexts'). The context terms come from how the line moves
+        between the contexts, so ``step_ms(n, context=P)`` is the table's ``verify(n, P)`` at ``n`` = 1
+        and ``rows`` for every ``P`` (and at 2, up to the two contexts' ``tree_step`` differing), plus
+        one draft-head forward of one row (the root's, which every step runs: in ``fixed`` as in a
+        calibrated profile). A draft level forwards the beam, ``topk`` rows: ``per_draft_level +
+        topk * per_draft_node`` is ``draft_level(topk)``, ``per_draft_node`` the slope from 1 row to
+        ``topk``. A term the table makes negative is 0, ``fixed`` at least 1 % of the one-row verify.
+        ``context_ref``: the context assumed where a caller gives none."""
+        R = max(3, int(rows))
         c0, c1 = (float(c) for c in table.contexts)
         one = [float(table.verify(1, c)) for c in (c0, c1)]
+        two = [float(table.verify(2, c)) for c in (c0, c1)]
         top = [float(table.verify(R, c)) for c in (c0, c1)]
-        slope = [(t - o) / (R - 1) for o, t in zip(one, top)]  # ms per verified row, per context
+        slope = [(t - w) / (R - 2) for w, t in zip(two, top)]  # ms per verified row from two rows on, per context
+        jump = float(np.mean([max(w - s - o, 0.0) for o, w, s in zip(one, two, slope)]))  # two rows above the line
         at0 = [o - s for o, s in zip(one, slope)]  # the line at 0 rows
         span = c1 - c0
         token_ctx = (slope[1] - slope[0]) / span
@@ -310,7 +321,7 @@ class CostModel:
         node = (dk - d1) / (topk - 1) if draft and topk > 1 else 0.0
         terms = {"fixed": at0[0] - c0 * ctx + d1, "per_context": ctx, "per_draft_level": dk - topk * node,
                  "per_draft_node": node, "per_verified_token": slope[0] - c0 * token_ctx,
-                 "per_verified_token_context": token_ctx}
+                 "per_verified_token_context": token_ctx, "tree_step": jump}
         terms = {k: max(v, 0.0) for k, v in terms.items()}
         terms["fixed"] = max(terms["fixed"], 0.01 * one[0])
         machine = dict(getattr(table, "machine", None) or {})
@@ -475,12 +486,13 @@ def rank_by_value(
     max_keep: int | None = None,
     forced: Any = None,
     ancestors: Any = None,
+    tree_ms: float = 0.0,
 ) -> tuple[np.ndarray, int, float]:
     """Which candidates to verify: ``(order, k, rate)``; verify ``order[:k]``.
 
     ``values``: [c] expected accepted tokens of each candidate (calibrated acceptance). The step
     emits ``1 + sum(values)`` tokens in expectation and costs ``base_ms + per_token_ms * (k + 1)``
-    (the root is verified too), so the best ``k`` maximises that ratio over prefixes of the ranking
+    (the root is verified too), plus ``tree_ms`` when ``k >= 1`` (:attr:`CostModel.tree_step`), so the best ``k`` maximises that ratio over prefixes of the ranking
     by value: a candidate is worth verifying while its value exceeds ``per_token_ms`` times the
     tokens per millisecond already reached (the marginal cost of one more verified token).
     ``forced`` [c] bool: candidates ranked first whatever their value (the root's best children);
@@ -501,7 +513,7 @@ def rank_by_value(
     key = v if forced is None else v + 2.0 * _np(forced)  # values are <= 1: forced ones sort first
     order = np.argsort(-key, kind="stable")
     gain = 1.0 + np.cumsum(v[order])  # expected tokens with the first j + 1 candidates
-    rate = gain / (base_ms + per_token_ms * np.arange(2, c + 2))
+    rate = gain / (base_ms + tree_ms + per_token_ms * np.arange(2, c + 2))
     lo = min(max(min_keep, 0), cap)
     if lo > 1:
         rate[: lo - 1] = -1.0

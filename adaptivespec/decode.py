@@ -359,13 +359,16 @@ class Engine:
         prefill = time.perf_counter() - t0  # to the first token (the prompt's forward; for a drafter, its too)
         self.proposer.extend(out)
         promoted, last_accepted, step = 0, -1, 0
+        defers = getattr(rt, "defers_head", False)  # the policy may ask for plain steps (TreePolicy.plain_next)
         while not done:
-            if not speculative:  # plain decoding: one target forward, one token
+            if not speculative or (defers and self.policy.plain_next()):  # plain: one target forward, one token
                 t, n_before = time.perf_counter(), len(out)
                 done = self.take(out, [rt.ar_step()], limit, on_tokens, getattr(rt, "last_rows", None))
+                if speculative:
+                    self.proposer.extend(out[n_before:])
                 record = StepRecord(step=step, shape=None, tree_size=1, accepted=0, promoted=0, new_tokens=len(out) - n_before,
                                     draft_ms=0.0, verify_ms=(time.perf_counter() - t) * 1e3, other_ms=0.0,
-                                    undrafted="autoregressive")
+                                    undrafted="policy" if speculative else "autoregressive")
             else:
                 record, done = self._step(step, last_accepted, out, limit, on_tokens)
                 promoted += record.promoted

@@ -60,6 +60,13 @@ class TreePolicy(FusionRules):
     def observe(self, record: StepRecord) -> None:
         """Learn from the step that just finished."""
 
+    def plain_next(self) -> bool:
+        """Whether the next step is a plain one: the runtime's one-token step, nothing drafted or
+        proposed (it is recorded with ``undrafted="policy"`` and not passed to :meth:`observe`). Asked
+        once per step, before anything else, and only on a runtime that keeps its head's rows for later
+        (``defers_head``: llama.cpp's, where a plain step then costs exactly plain decoding's). Default: never."""
+        return False
+
     def state(self) -> dict[str, Any]:
         """What the policy wants recorded in the step trace about its last decision."""
         return {}

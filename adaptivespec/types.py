@@ -158,7 +158,8 @@ class StepRecord:
     node proposed by two counts for both. Empty for plain decoding steps."""
     undrafted: str | None = None
     """Why the step drafted nothing: ``"autoregressive"`` (the config never drafts), ``"load"`` (a
-    batch's row budget ran a plain step); None for a drafted step (a tree the policy cut to its
+    batch's row budget ran a plain step), ``"policy"`` (the policy asked for a plain step:
+    ``TreePolicy.plain_next``); None for a drafted step (a tree the policy cut to its
     root included). Every target forward after the prefill has a record, so a generation's
     records' ``new_tokens`` add up to its tokens less the prefill's first one."""
 

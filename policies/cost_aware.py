@@ -77,6 +77,8 @@ from adaptivespec.costmodel import (
 
 LOOKAHEAD = 2
 """Default ``lookahead`` of the level rule (levels)."""
+OVERHEAD_RATE = 0.1
+"""Weight of the newest drafted step in the learned overhead of a tree over a plain step (EMA)."""
 
 
 def _buckets(inst, attribute, value) -> None:
@@ -102,8 +104,10 @@ class CostAwareParams:
     """Children proposed per expanded node, and the beam width of every level (EAGLE's topk)."""
     buckets: tuple[int, ...] = attrs.field(default=(4, 6, 8, 12), converter=as_tuple, validator=_buckets)
     """ndt buckets (tokens verified, root included): one bank shape each; the largest bounds the budget."""
-    min_keep: int = attrs.field(default=1, validator=int_at_least(1))
-    """The root's best children verified whatever their value."""
+    min_keep: int = attrs.field(default=1, validator=int_at_least(0))
+    """The root's best children verified whatever their value. 0: a step verifies the root alone (a
+    plain step, one row) where no drafted node pays for what verifying it adds; with a cost table
+    whose ``tree_step`` is large (llama.cpp on a CPU: two rows cost nearly twice one) that is often."""
     fill_buckets: bool = False
     """Verify the next-best nodes up to the bucket's ndt (free where the runtime pads to the bucket,
     as the CUDA-graph runtime does; on the eager runtime every verified token costs)."""
@@ -144,6 +148,13 @@ class CostAwareParams:
     ratio it had (docs/tuning.md, "Known problem"); 0 (the default): the initial 2-of-4 decays with the rest.
     4 and 16 tied 0 on held-out training prompts, in an order that forms the trap too (docs/tuning.md), so it is off."""
 
+    plain_streak: int = attrs.field(default=8, validator=int_at_least(0))
+    """With ``min_keep: 0``, on a runtime that keeps its head's rows for later (llamacpp): after a
+    step that verified the root alone, the next steps are plain ones (nothing drafted, the head not
+    run: exactly plain decoding's cost), 1 the first time, then 2, 4, ... up to ``plain_streak`` while
+    the policy keeps choosing the root alone; a drafted tree ends it. 0: every step is decided on the
+    head's draft. Elsewhere ignored (the root alone is verified as a one-node tree)."""
+
     def __attrs_post_init__(self) -> None:
         top = max(self.buckets)
         cap = self.topk + (self.max_depth - 1) * self.topk * self.topk
@@ -159,6 +170,8 @@ class CostAwarePolicy(TreePolicy):
 
     name = "cost_aware"
     Params = CostAwareParams
+    _overhead = 0.0
+    """What a drafted step took beyond its price, ms (EMA, learned where ``min_keep`` is 0): what plain steps save."""
     eagle_beam = True
     """Every level's beam is EAGLE's top-k (drafting may stop early, a subset is verified): its trees
     are sub-trees of EAGLE's full tree, so ``adaptivespec/analysis/shape_oracle.py`` can replay it on those."""
@@ -178,6 +191,7 @@ class CostAwarePolicy(TreePolicy):
         self._cont_n = np.full(D + 1, 4.0)
         self._cont_a = np.full(D + 1, 2.0)
         self._steps = 0
+        self._priced = 0.0  # the price of this step's tree (the last ranking's)
         self._context: int | None = None  # committed positions this step (None: the profile's context_ref)
         self.reset()
 
@@ -215,10 +229,19 @@ class CostAwarePolicy(TreePolicy):
         self._fused = None  # (head node of every fused node, head arrays) until observe_tree
         self._source_nodes = 0
         self._probe = False  # this step's tree is the circuit breaker's probe
+        self._plain_run = 0  # the plain streak's length (doubles while the root alone keeps winning)
+        self._plain_left = 0  # plain steps left in it
 
     def next_shape(self, signals: StepSignals) -> TreeShape:
         self._context = getattr(signals, "context", 0) or None  # what a verified row costs depends on it
         return self.shape
+
+    def plain_next(self) -> bool:
+        """The plain streak (``plain_streak``): True while steps are left in it."""
+        if self._plain_left:
+            self._plain_left -= 1
+            return True
+        return False
 
     def verify_shape(self, shape: TreeShape, n: int) -> TreeShape:
         """The smallest bucket shape holding a tree of ``n`` nodes (the bank's executor for it)."""
@@ -236,6 +259,19 @@ class CostAwarePolicy(TreePolicy):
     def _token_ms(self) -> float:
         """Cost of one more verified token at this step's context."""
         return self.cost.token_ms(self._context)
+
+    def _rank(self, values, levels: int, nodes: int, min_keep: int, max_keep: int, forced=None):
+        """:func:`~adaptivespec.costmodel.rank_by_value` at this step's costs: ``(order, k, rate)``. A
+        tree is priced with the cost model's ``tree_step`` and, where the root alone may win
+        (``min_keep: 0``), the learned extra time of a drafted step over its price (:meth:`observe`)."""
+        tree_ms = self.cost.tree_step + (self._overhead if self.params.min_keep == 0 else 0.0)
+        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
+                                       min_keep=min_keep, max_keep=max_keep, forced=forced, tree_ms=tree_ms)
+        return order, k, rate
+
+    def _price(self, levels: int, nodes: int, k: int) -> float:
+        """What the cost model says a step of ``levels`` draft forwards over ``nodes`` nodes verifying ``k`` + 1 rows takes."""
+        return self._base_ms(levels, nodes) + self._token_ms * (k + 1) + (self.cost.tree_step if k else 0.0)
 
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
@@ -255,8 +291,7 @@ class CostAwarePolicy(TreePolicy):
         c = self.cost
         levels, nodes = depth - 1, (depth - 1) * shape.topk  # drafter forwards and nodes run so far
         pool = np.concatenate(self._values) if depth > 1 else v
-        _, _, rate = rank_by_value(pool, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
-                                   min_keep=1, max_keep=self.buckets[-1] - 1)
+        _, kept, rate = self._rank(pool, levels, nodes, min(self.params.min_keep, 1), self.buckets[-1] - 1)
         # the beam is the level's top-k by score; values are monotone in score at one depth
         top = np.partition(v, v.shape[0] - k)[v.shape[0] - k:] if k < v.shape[0] else v
         if self.params.lookahead:
@@ -265,6 +300,8 @@ class CostAwarePolicy(TreePolicy):
             cont = float(self._continuation(depth + 1)) if depth + 1 < self._cont_n.shape[0] else 0.0
             gain = float(top.sum()) * cont
             margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + self._token_ms))
+        if kept == 0:  # a plain step is the best so far: a tree must pay for the switch to it too
+            margin -= rate * c.tree_step
         self._level_gain.append(margin)
         if margin <= 0:
             self._stop = "cost"
@@ -311,18 +348,17 @@ class CostAwarePolicy(TreePolicy):
             self._forced, self._probe = False, True
             order = torch.sort(scores, descending=True, stable=True).indices
             k, rate = min(cap, order.shape[0]), 0.0
-            self._budget, self._rate = k + 1, rate
+            self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
             self._expected = 1.0 + float(values[order[:k].cpu().numpy()].sum())
             return order[:k]
         forced = np.zeros(values.shape[0], dtype=bool)
         m = min(self.params.min_keep, n1)
         forced[np.argsort(-values[:n1], kind="stable")[:m]] = True  # depth 1: value order = score order
-        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
-                                       min_keep=self.params.min_keep, max_keep=cap, forced=forced)
+        order, k, rate = self._rank(values, levels, nodes, self.params.min_keep, cap, forced)
         if self.params.fill_buckets:
             k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
         kept = order[:k]
-        self._budget, self._rate = k + 1, rate
+        self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
         self._expected = 1.0 + float(values[kept].sum())
         return torch.from_numpy(kept).to(scores.device)
 
@@ -345,8 +381,7 @@ class CostAwarePolicy(TreePolicy):
         lo = int(first[m - 1]) + 1 if m else 0  # ranks are non-increasing: the best children come first
         levels = max(len(self._levels) - 1, 0) if self._head is not None else 0  # drafter forwards this step
         nodes = levels * min(self.params.topk, self._levels[0]) if levels else 0
-        _, k, rate = rank_by_value(v, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
-                                   min_keep=min(lo, cap), max_keep=cap)
+        _, k, rate = self._rank(v, levels, nodes, min(lo, cap), cap)
         if self._probe:  # the circuit breaker's probe: every candidate the bank has room for
             k, rate = cap, 0.0
         elif self.params.fill_buckets and k + 1 <= self.buckets[-1]:
@@ -355,7 +390,7 @@ class CostAwarePolicy(TreePolicy):
         fused_head = np.concatenate([[0], head[np.argsort(index, kind="stable")]])  # per fused node; -1: a source's
         self._fused = (fused_head, self._head)
         self._head = None
-        self._budget, self._rate = k + 1, rate
+        self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
         self._expected = 1.0 + float(v[:k].sum())
         self._source_nodes = int((head < 0).sum())
         return k
@@ -368,8 +403,12 @@ class CostAwarePolicy(TreePolicy):
         depths and draft log-probs: the sources' scores are not draft probabilities."""
         n = tree.size
         fused, self._fused = self._fused, None
-        if n < 2:
+        if n < 2:  # the root alone paid best: a plain streak follows, twice as long as the last one
+            self._plain_run = min(max(1, 2 * self._plain_run), getattr(self.params, "plain_streak", 0))
+            self._plain_left = self._plain_run
+            self._overhead *= 1.0 - OVERHEAD_RATE  # unseen, the overhead fades: a tree is tried again where it may pay
             return
+        self._plain_run = 0
         depth = tree.depth.cpu().numpy()
         parents = tree.parents.cpu().numpy()
         path = np.asarray(result.path)
@@ -400,8 +439,11 @@ class CostAwarePolicy(TreePolicy):
         np.add.at(self._cont_a, d, children & went_on)
 
     def observe(self, record: StepRecord) -> None:
-        if record.shape is None:
+        if record.shape is None or record.tree_size <= 1:  # a plain step (min_keep 0) is no failed tree
             return
+        if self.params.min_keep == 0:  # the step's own time beyond its price: the engine's share, this machine's
+            took = record.draft_ms + record.verify_ms + record.other_ms  # one slow step (a page fault) counts at most its price
+            self._overhead += OVERHEAD_RATE * (min(max(took - self._priced, 0.0), self._priced) - self._overhead)
         self._steps += 1
         if record.accepted:
             self._zero_streak = 0
@@ -429,6 +471,8 @@ class CostAwarePolicy(TreePolicy):
             "source_nodes": self._source_nodes,
             "breaker_tripped": self._tripped,
             "zero_streak": self._zero_streak,
+            "plain_streak": self._plain_run,
+            "tree_overhead_ms": round(self._overhead, 3),
         }
         rel = self._trace_reliability()
         if rel is not None:

@@ -158,6 +158,7 @@ def test_hybrid_generates_the_text_of_plain_decoding_on_the_same_runtime(tmp_pat
     ar = generate(capsys, "ar.yaml", prompts)
     assert len(ar) == 3 and sum(map(len, ar)) > 60
     assert generate(capsys, "hybrid.yaml", prompts) == ar
+    assert generate(capsys, "cost-aware-hybrid.yaml", prompts) == ar  # plain steps (min_keep 0) among its trees
 
 
 def test_a_full_cache_is_compacted_and_the_text_stays_plain_decodings(monkeypatch):
@@ -206,3 +207,44 @@ def test_a_bad_target_is_one_line_and_exit_2(tmp_path, capsys, kind):
     assert len(err.splitlines()) == 1 and err.startswith("adaptivespec: error: model.target:")
     if kind == "folder":
         assert "convert_hf_to_gguf.py" in err
+
+
+def engine(config: str, *extra: str):
+    from adaptivespec.config import load_config
+    from adaptivespec.decode import Engine
+
+    return Engine(load_config(ROOT / "configs" / f"{config}.yaml", ["runtime.name=llamacpp", "runtime.threads=1",
+                                                                    "generation.max_new_tokens=64", *extra]))
+
+
+def test_the_head_caught_up_on_plain_steps_is_the_head_run_at_every_step():
+    """k plain steps leave the head's rows pending; one catch-up forward gives the state k forwards give."""
+    rt = engine("hybrid", "runtime.dtype=float32").runtime
+    ids = rt.target.tokenizer("Explain how a bicycle works.")["input_ids"]
+    logps = []
+    for every_step in (False, True):
+        rt.prefill(ids, 32)
+        for _ in range(6):
+            rt.ar_step()
+            if every_step:
+                rt.catch_up()
+        assert len(rt.pending) == (0 if every_step else 6)
+        rt.catch_up()
+        logps.append((rt.root_logp.clone(), rt.drafter.length))
+    (lazy, n_lazy), (eager, n_eager) = logps
+    assert n_lazy == n_eager == len(ids) + 6
+    assert torch.allclose(lazy, eager, atol=1e-4)
+
+
+def test_a_policys_plain_steps_keep_the_text_of_plain_decoding():
+    """Plain steps the policy asks for (plain_next), between drafted ones: ar's text, the head still accepting."""
+    prompt = "Write a Python function that reverses a string, then explain it."
+    ar = engine("ar").generate(prompt).token_ids
+    hybrid = engine("hybrid")
+    pattern = iter([False, True, True] * 100)
+    hybrid.policy.plain_next = lambda: next(pattern)
+    result = hybrid.generate(prompt)
+    assert result.token_ids == ar
+    plain = [r for r in result.records if r.undrafted == "policy"]
+    drafted = [r for r in result.records if r.undrafted is None]
+    assert plain and drafted and sum(r.accepted for r in drafted) >= len(drafted)  # the head still drafts well

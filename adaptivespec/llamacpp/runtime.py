@@ -11,7 +11,10 @@ between steps (``P`` = tokens the target has processed)::
 
 * :meth:`LlamaCppRuntime.prefill` -- the prompt in ``llama_decode`` calls of up to ``n_batch``
   tokens, the head's three layer inputs read after each (lid = head layer + 1) and run through it.
-* :meth:`~LlamaCppRuntime.ar_step` -- one token, one decode: plain decoding through llama.cpp.
+* :meth:`~LlamaCppRuntime.ar_step` -- one token, one decode: plain decoding through llama.cpp. With
+  a head, the step's feature rows wait (``pending``) and the head catches up on all of them in one
+  forward when it next drafts (:meth:`~LlamaCppRuntime.catch_up`): a policy's plain steps
+  (``TreePolicy.plain_next``, ``defers_head``) cost what plain decoding costs.
 * :meth:`~LlamaCppRuntime.draft` -- the head drafts in torch, exactly as on the torch runtime.
 * :meth:`~LlamaCppRuntime.verify_forward` -- the whole tree in ONE ``llama_decode`` (each node in the
   sequences of the leaves below it: :mod:`~adaptivespec.llamacpp.cells`), logits and features of
@@ -73,6 +76,8 @@ class LlamaCppRuntime:
     """Changes the next token's logits [V] in place before prefill and :meth:`ar_step` pick (the grammar's mask)."""
     keep_logits = False
     last_rows = None
+    defers_head = True
+    """:meth:`ar_step` leaves the head's rows for later: the engine may run a policy's plain steps through it."""
 
     @classmethod
     def load_models(cls, config, host):
@@ -123,6 +128,7 @@ class LlamaCppRuntime:
         self.root_state: torch.Tensor | None = None
         self.root_logp: torch.Tensor | None = None
         self.rows = None  # the last verify's TreeRows
+        self.pending: list = []  # plain steps' (next token, layer inputs, position) the head has not run yet
         self._costs = None
 
     def describe(self) -> str:
@@ -187,6 +193,7 @@ class LlamaCppRuntime:
         n = len(prompt_ids)
         self.reserve(n + (max_new_tokens or 1024))
         self.cells.reset()
+        self.pending = []
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         d = self.drafter
         chunk = self.ctx.n_batch
@@ -225,16 +232,33 @@ class LlamaCppRuntime:
         self.ctx.decode(np.array([int(self.root)]), np.array([self.P]), None, True)
         self.P += 1
         self.root = self.pick(torch.from_numpy(self.ctx.logits(1)[0].copy()), self.P)
+        if self.drafter is not None:  # the head's pair for position P - 1, run at the next catch_up
+            self.pending.append((self.root.reshape(1), self._hidden(1), self.P - 1))
         return int(self.root)
+
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """Run the head over the plain steps' rows it has not seen (one forward for all of them):
+        its cache, root state and draft distribution are then those of a head run at every step."""
+        if not self.pending:
+            return
+        d, pending, self.pending = self.drafter, self.pending, []
+        tokens = torch.cat([t for t, _, _ in pending])
+        hidden = tuple(None if rows[0] is None else torch.cat(rows, dim=1) for rows in zip(*(h for _, h, _ in pending)))
+        positions = torch.arange(pending[0][2], pending[-1][2] + 1)
+        d.length = pending[0][2]
+        self._set_root(d.step(tokens, d.fuse(hidden)[0], positions, None)[-1])
 
     # -- speculative step -----------------------------------------------------------------------
     def draft_root_stats(self) -> tuple[float, float, float]:
+        self.catch_up()
         top1, entropy, top4 = root_stats(self.root_logp)
         return top1, entropy, top4
 
     @torch.inference_mode()
     def draft(self, shape: TreeShape, rules) -> DraftTree:
         """The head's tree of ``shape`` below the root (as :meth:`TorchRuntime.draft`)."""
+        self.catch_up()
         d = self.drafter
         masks = LevelMasks(self, shape)
 
@@ -247,6 +271,7 @@ class LlamaCppRuntime:
         return draft_tree(shape, self.root, self.root_logp, self.root_state, expand, d.to_target, rules)
 
     def draft_levels(self, shape: TreeShape, rules) -> DraftLevels:
+        self.catch_up()
         return draft_levels(shape, self.root, self.root_logp, self.root_state, self.drafter.to_target, rules)
 
     @torch.inference_mode()
@@ -267,6 +292,7 @@ class LlamaCppRuntime:
         self.cells.commit(self.rows, path, self.P)
         d = self.drafter
         if d is not None:
+            self.catch_up()  # (a step of sources' candidates alone, after plain steps)
             kept = len(path)
             idx = torch.tensor(path, dtype=torch.long)
             d.length = self.P  # the head's rows from P on are this step's
