@@ -150,7 +150,7 @@ def run_calibrate(args) -> int:
     command = "adaptivespec " + " ".join(sys.argv[1:]) if sys.argv and "calibrate" in sys.argv else "adaptivespec calibrate"
     model = CostModel.fit(
         [r for r in rows],
-        machine=machine_info(), device=config.runtime.device, dtype=config.runtime.dtype,
+        machine=machine_info(), device=config.runtime.device, dtype=config.runtime.dtype, runtime=config.runtime.name,
         model={"target": config.model.target, "drafter": config.model.drafter},
         per_shape_ms={str(s): statistics.median(v) for s, v in per_shape.items() if v},
         prompts=len(prompts), max_new_tokens=args.max_new_tokens, seconds=round(time.time() - t0, 1),

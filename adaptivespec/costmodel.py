@@ -80,8 +80,10 @@ def cpu_name() -> str:
 
 
 def machine_info() -> dict[str, Any]:
+    from adaptivespec import hardware
+
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "cpu": cpu_name(), "isa": hardware.isa(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -118,6 +120,12 @@ class ProfileOrigin:
     """``runtime.device`` of the measurement (None: not recorded)."""
     timed: bool = False
     """The file holds timings (a cost model): the CPU and device matter; acceptance counts do not."""
+    runtime: str | None = None
+    """The runtime the timings are of (a file that names none: ``torch``'s, the only one calibrated then)."""
+    dtype: str | None = None
+    """The torch dtype the timings ran in (None: not recorded)."""
+    isa: str | None = None
+    """The instruction-set level the timings ran at (:func:`adaptivespec.hardware.isa`; None: not recorded)."""
 
     @classmethod
     def read(cls, key: str, path: str | Path, timed: bool) -> "ProfileOrigin":
@@ -131,7 +139,24 @@ class ProfileOrigin:
         model = data.get("model") if isinstance(data.get("model"), dict) else data
         machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
         return cls(key=key, path=str(path), target=model.get("target"), drafter=model.get("drafter"),
-                   cpu=machine.get("cpu"), device=data.get("device"), timed=timed)
+                   cpu=machine.get("cpu"), device=data.get("device"), timed=timed,
+                   runtime=data.get("runtime") or machine.get("runtime"), dtype=data.get("dtype") or machine.get("dtype"),
+                   isa=machine.get("isa"))
+
+    def timed_elsewhere(self, running: "RunningSetup | None") -> list[str]:
+        """What about the running setup makes this file's timings another machine's: the CPU's name, and
+        where ``running`` says (the engine's cost source does) the runtime, the dtype and the ISA level
+        (two "AMD EPYC" CPUs, one with AVX-512 and one without, share a name), each a short phrase."""
+        out = [f"CPU {self.cpu!r} (running {cpu_name()!r})"] if self.cpu is not None and self.cpu != cpu_name() else []
+        if running is None:
+            return out
+        if (self.runtime or "torch") != running.runtime:
+            out.append(f"runtime {self.runtime or 'torch'} (running {running.runtime})")
+        elif self.dtype is not None and running.dtype is not None and self.dtype != running.dtype:
+            out.append(f"dtype {self.dtype} (running {running.dtype})")
+        if self.isa is not None and running.isa is not None and self.isa != running.isa:
+            out.append(f"ISA {self.isa} (running {running.isa})")
+        return out
 
     def differences(self, target: str | None, drafter: str | None, device: str) -> list[str]:
         """What differs between this file's run and the running one (``model.target``,
@@ -146,6 +171,26 @@ class ProfileOrigin:
         elif self.timed and device == "cpu" and self.cpu is not None and self.cpu != cpu_name():
             out.append(f"CPU {self.cpu!r} (running {cpu_name()!r})")
         return out
+
+
+@attrs.frozen
+class RunningSetup:
+    """What runs, for :func:`measured_costs` to tell a fitted file's timings from this machine's."""
+
+    runtime: str
+    dtype: str | None = None
+    isa: str | None = None
+
+
+class CostSource:
+    """The engine's ``measure`` for :meth:`TreePolicy.bind_costs`: calling it returns the runtime's
+    measured cost table (or None); ``running`` says what runs (a plain callable works too)."""
+
+    def __init__(self, measure: Callable[[], Any], running: RunningSetup) -> None:
+        self.measure, self.running = measure, running
+
+    def __call__(self) -> Any:
+        return self.measure()
 
 
 def warn_if_fitted_elsewhere(policy_name: str, origins: Sequence[ProfileOrigin], *, target: str | None,
@@ -189,11 +234,12 @@ def measured_costs(policy_name: str, mode: str, origin: ProfileOrigin, measure: 
     for it, else None (price with the fitted file ``origin``).
 
     ``profile``: None. ``measured``: the table's model (:meth:`CostModel.from_table`). ``auto``:
-    the table's model when the file was fitted on another CPU than this one (``origin.cpu``, on a
-    ``cpu`` device), else None. ``measure()`` returns the table or None (a runtime that cannot
+    the table's model when the file's timings are another machine's (on a ``cpu`` device: another
+    CPU name, or where ``measure.running`` says, another runtime, dtype or ISA level:
+    :meth:`ProfileOrigin.timed_elsewhere`), else None. ``measure()`` returns the table or None (a runtime that cannot
     measure one: the file is kept, said once); the switch away from the file is said once too."""
-    stale = device.split(":")[0] == "cpu" and origin.cpu is not None and origin.cpu != cpu_name()
-    if mode == "profile" or (mode == "auto" and not stale):
+    elsewhere = origin.timed_elsewhere(getattr(measure, "running", None)) if device.split(":")[0] == "cpu" else []
+    if mode == "profile" or (mode == "auto" and not elsewhere):
         return None
     table = measure()
     name = Path(origin.path).name
@@ -202,7 +248,7 @@ def measured_costs(policy_name: str, mode: str, origin: ProfileOrigin, measure: 
                   f"pricing steps with {origin.key} ({name})")
         return None
     if mode == "auto":
-        _say_once(f"policy {policy_name}: {origin.key} ({name}) was fitted on CPU {origin.cpu!r} (running {cpu_name()!r}): "
+        _say_once(f"policy {policy_name}: {origin.key} ({name}) was fitted on {', '.join(elsewhere)}: "
                   f"pricing steps with this machine's measured cost table instead (policy.costs: auto; "
                   f"policy.costs: profile keeps the file)")
     return CostModel.from_table(table, topk=topk, rows=rows, context_ref=context_ref)

@@ -23,7 +23,8 @@ import torch
 
 from adaptivespec.config import Config, check_sampling
 from adaptivespec.constraints import GrammarBackend  # xgrammar itself: only when a grammar is compiled
-from adaptivespec.costmodel import warn_if_fitted_elsewhere
+from adaptivespec import hardware
+from adaptivespec.costmodel import CostSource, RunningSetup, warn_if_fitted_elsewhere
 from adaptivespec.models import DTYPES, encode_prompt, load_target
 from adaptivespec.plugins import get_plugin_host
 from adaptivespec.proposal import Proposer, structured_sources
@@ -115,7 +116,8 @@ class Engine:
         policy = host.policies.get(config.policy.name).cls(config.policy.params)
         bind = getattr(policy, "bind_costs", None)  # this machine's measured step costs, for a policy that prices steps
         if bind is not None and not config.autoregressive:
-            bind(getattr(self.runtime, "cost_table", lambda: None), config.runtime.device)
+            running = RunningSetup(config.runtime.name, config.runtime.dtype, hardware.isa())  # what the file's timings must match
+            bind(CostSource(getattr(self.runtime, "cost_table", lambda: None), running), config.runtime.device)
         fitted = getattr(policy, "fitted_on", None)  # files fitted on another target or CPU: said once
         if fitted is not None and not config.autoregressive:
             warn_if_fitted_elsewhere(config.policy.name, fitted(), target=config.model.target,

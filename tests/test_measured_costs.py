@@ -155,3 +155,27 @@ def test_the_engine_hands_the_runtimes_table_to_the_policy(tmp_path, monkeypatch
     engine = Engine(load_config(ROOT / "configs" / "cost-aware.yaml", ["runtime.dtype=float32", f"policy.profile={other}"]))
     assert engine.policy.cost == CostModel.from_table(TABLE, topk=4, rows=12, context_ref=engine.policy.cost.context_ref)
     assert engine.generate("Say hi.", max_new_tokens=8).stats["new_tokens"] > 0
+
+
+def test_auto_measures_where_the_files_timings_are_another_runtimes_dtypes_or_isas(tmp_path):
+    """Two CPUs with one name (an "AMD EPYC" with AVX-512, one without), float32 where the file timed
+    bf16, or llama.cpp where it timed torch: ``costs: auto`` prices with this machine's table."""
+    from adaptivespec.costmodel import CostSource, ProfileOrigin, RunningSetup, measured_costs
+
+    data = json.loads((PROFILE_DIR / costmodel.DEFAULT_COST_PROFILE).read_text())
+    data["machine"] = {**data["machine"], "cpu": cpu_name(), "isa": "avx512_bf16"}  # this CPU's name, bf16 on torch
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    origin = ProfileOrigin.read("policy.profile", path, timed=True)
+    assert (origin.runtime, origin.dtype) == (None, "bfloat16")
+
+    def priced(running):
+        return measured_costs("cost_aware", "auto", origin, CostSource(Measure(), running), "cpu", topk=4, rows=12)
+
+    assert priced(RunningSetup("torch", "bfloat16", "avx512_bf16")) is None  # the file's own setup: the file
+    assert measured_costs("cost_aware", "auto", origin, Measure(), "cpu", topk=4, rows=12) is None  # no setup said
+    for running in (RunningSetup("torch", "float32", "avx512_bf16"), RunningSetup("torch", "bfloat16", "avx2"),
+                    RunningSetup("llamacpp", None, "avx512_bf16")):
+        assert priced(running) == CostModel.from_table(TABLE, topk=4, rows=12), running
+    assert origin.timed_elsewhere(RunningSetup("llamacpp", None, "avx2")) == [
+        "runtime torch (running llamacpp)", "ISA avx512_bf16 (running avx2)"]
