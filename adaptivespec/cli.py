@@ -62,7 +62,8 @@ def add_generate_parser(sub) -> None:
                      'a record\'s "response_format" replaces generation.response_format for it)')
     p.add_argument("--max-new-tokens", type=positive_int, help="override generation.max_new_tokens")
     p.add_argument("--runtime", metavar="NAME", help="run on this registered runtime (runtime.name): torch, llamacpp "
-                   "(the target a GGUF file: --set model.target=PATH.gguf; the embedded target's shipped file by default)")
+                   "(the target a GGUF file: --set model.target=PATH.gguf; the embedded target's shipped file by default), "
+                   "or auto (llamacpp where installed and faster on this CPU, else torch: docs/llamacpp.md)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set verifier.kappa=0.5 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON line per prompt instead of streaming")

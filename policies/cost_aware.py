@@ -148,7 +148,7 @@ class CostAwareParams:
     ratio it had (docs/tuning.md, "Known problem"); 0 (the default): the initial 2-of-4 decays with the rest.
     4 and 16 tied 0 on held-out training prompts, in an order that forms the trap too (docs/tuning.md), so it is off."""
 
-    plain_streak: int = attrs.field(default=8, validator=int_at_least(0))
+    plain_streak: int = attrs.field(default=32, validator=int_at_least(0))
     """With ``min_keep: 0``, on a runtime that keeps its head's rows for later (llamacpp): after a
     step that verified the root alone, the next steps are plain ones (nothing drafted, the head not
     run: exactly plain decoding's cost), 1 the first time, then 2, 4, ... up to ``plain_streak`` while
