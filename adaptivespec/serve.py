@@ -11,6 +11,9 @@ handed over:
   prints the command instead);
 * ``--runtime torch``: adaptivespec's own engine behind an OpenAI-compatible server, in this process
   (:func:`adaptivespec.server.launch.run_torch`);
+* ``--runtime llamacpp``: the same server with the config on the llama.cpp runtime (the target a GGUF
+  file: docs/llamacpp.md), one generation at a time (``--parallel`` above 1 is not built on it yet: a
+  one-line error);
 * ``--runtime auto`` (the default): a flag only one runtime has picks that one; otherwise SGLang where
   it can serve here (:func:`adaptivespec.sglang.platform.sglang_unavailable_reason` says None) and can
   serve the config (a draft head for its sources), else torch.
@@ -34,7 +37,7 @@ from adaptivespec.sglang.platform import sglang_unavailable_reason
 from adaptivespec.sglang.serve import SGLANG_ONLY, add_sglang_arguments, run_sglang
 from adaptivespec.sglang.served_config import unservable
 
-RUNTIMES = ("auto", "sglang", "torch")
+RUNTIMES = ("auto", "sglang", "torch", "llamacpp")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,7 +53,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="HTTP port (default: %(default)s)")
     p.add_argument("--runtime", choices=RUNTIMES, default="auto",
                    help="sglang: SGLang's server with the plugin (batching; CUDA, or a CPU with AMX); torch: "
-                        "adaptivespec's own engine behind an OpenAI-compatible server; auto (default): sglang where "
+                        "adaptivespec's own engine behind an OpenAI-compatible server; llamacpp: that server on the "
+                        "llama.cpp runtime (a GGUF target, one generation at a time); auto (default): sglang where "
                         "it can serve here, else torch; a flag only one runtime has picks that one")
     p.add_argument("--no-metrics", action="store_true",
                    help="no /metrics: leave out SGLang's --enable-metrics (on by default) and the adaptivespec_* series")
@@ -66,7 +70,13 @@ def run_serve(args: argparse.Namespace) -> int:
         args.sglang_args = args.sglang_args[1:]
     runtime, why = choose_runtime(args)
     line = first_line(runtime, why, args.host, args.port)
-    return run_torch(args, line) if runtime == "torch" else run_sglang(args, line)
+    if runtime == "llamacpp":
+        if (getattr(args, "parallel", None) or 1) > 1:
+            raise AdaptiveSpecError(f"--parallel: {args.parallel} with --runtime llamacpp; expected 1 (the llama.cpp runtime "
+                                    "serves one generation at a time; --runtime torch batches)")
+        args.parallel = 1
+        args.overrides = [*(args.overrides or []), "runtime.name=llamacpp"]
+    return run_torch(args, line) if runtime in ("torch", "llamacpp") else run_sglang(args, line)
 
 
 def _given(args: argparse.Namespace, dest: str) -> bool:
@@ -90,7 +100,7 @@ def choose_runtime(args: argparse.Namespace) -> tuple[str, str]:
         why = f"--runtime {runtime}"
     wrong = torch_flags if runtime == "sglang" else sglang_flags
     if wrong:
-        other = "torch" if runtime == "sglang" else "sglang"
+        other = "torch" if runtime == "sglang" else "sglang"  # (llamacpp is served by the torch runtime's server)
         raise AdaptiveSpecError(f"{wrong[0]}: only with --runtime {other} (serving with the {runtime} runtime: {why}); "
                                 "drop the flag or pass --runtime " + other)
     return runtime, why

@@ -55,3 +55,19 @@ def test_with_fast_bf16_only_plain_and_cost_priced_configs_take_llama_cpp(instal
 
 def test_an_explicit_runtime_is_kept(installed):
     assert load_config(ROOT / "configs" / "hybrid.yaml").runtime.name == "torch"
+
+
+def test_serving_on_llamacpp_is_one_generation_at_a_time(capsys):
+    from adaptivespec.cli import main
+
+    assert main(["serve", "--config", str(ROOT / "configs" / "hybrid.yaml"), "--runtime", "llamacpp", "--parallel", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--parallel: 2 with --runtime llamacpp; expected 1" in err[0]
+
+
+def test_the_bench_serves_a_llamacpp_config_with_serve_runtime_llamacpp():
+    from adaptivespec.server.launch import torch_command
+
+    argv = torch_command("c.yaml", 9999, runtime="llamacpp")
+    assert argv[argv.index("--runtime") + 1] == "llamacpp"
+    assert torch_command("c.yaml", 9999)[torch_command("c.yaml", 9999).index("--runtime") + 1] == "torch"

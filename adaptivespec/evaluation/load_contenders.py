@@ -43,7 +43,8 @@ from adaptivespec.server.launch import DEFAULT_QUEUE_SIZE
 
 LLAMA_SERVER_ENV = "ADAPTIVESPEC_LLAMA_SERVER"  # the llama-server binary (else --llama-server, else PATH)
 LLAMA_MODEL_ENV = "ADAPTIVESPEC_LLAMA_MODEL"
-"""The GGUF ``llama-server`` loads (default: the embedded target's GGUF)."""
+"""The GGUF ``llama-server`` loads (default: the configs' ``model.target`` where it is a GGUF file, else
+the embedded target's GGUF)."""
 LLAMA_ARGS_ENV = "ADAPTIVESPEC_LLAMA_ARGS"
 """Further ``llama-server`` arguments, split as a shell would (e.g. a draft model: ``-md draft.gguf``)."""
 CONTEXT_MARGIN = 64
@@ -209,11 +210,13 @@ class LlamaServerLoad(ConfigPrompts, LoadContender):
         from adaptivespec.sglang.server import SGLangServer, free_port
 
         self.name, self.config, self._tokenizer = "llama-server", config, None
-        self.model = model or os.environ.get(LLAMA_MODEL_ENV) or str(embedded_gguf())
+        own = str(config.model.target) if str(config.model.target).endswith(".gguf") else None  # the configs' own file
+        self.model = model or os.environ.get(LLAMA_MODEL_ENV) or own or str(embedded_gguf())
         if not Path(self.model).is_file():
             raise AdaptiveSpecError(f"{LLAMA_MODEL_ENV}: {self.model}: GGUF file not found")
         argv = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(free_port()),
                 "--parallel", str(parallel), "--ctx-size", str(parallel * context),
+                "--threads", str(config.runtime.threads or len(os.sched_getaffinity(0))),  # as the llamacpp runtime
                 *shlex.split(os.environ.get(LLAMA_ARGS_ENV, ""))]
         log = Path(tempfile.mkdtemp(prefix="adaptivespec-llama-server-")) / "server.log"
         self.server = (server_factory or SGLangServer)(argv, dict(os.environ), log, timeout=600)

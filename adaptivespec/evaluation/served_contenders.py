@@ -50,7 +50,8 @@ class TorchServedContender(ConfigPrompts):
         self._tokenizer = None
         self.port = free_port()
         log = Path(tempfile.mkdtemp(prefix=f"adaptivespec-served-{name}-")) / "server.log"
-        argv = torch_command(config_path, self.port, queue_size=queue_size) + list(extra_args)
+        runtime = "llamacpp" if config.runtime.name == "llamacpp" else "torch"  # (the same server)
+        argv = torch_command(config_path, self.port, queue_size=queue_size, runtime=runtime) + list(extra_args)
         self.server = SGLangServer(argv, dict(os.environ), log, timeout=600)
         self.server.start()
         self.server.pause()

@@ -189,10 +189,11 @@ def reserved_bytes(engine) -> int:
 
 
 def torch_command(config: str | Path, port: int, *, host: str = "127.0.0.1", queue_size: int | None = None,
-                  parallel: int | None = None, overrides: tuple[str, ...] = ()) -> list[str]:
+                  parallel: int | None = None, overrides: tuple[str, ...] = (), runtime: str = "torch") -> list[str]:
     """argv of ``adaptivespec serve --runtime torch`` for ``config`` (the bench's and the soak's);
-    ``queue_size``, ``parallel``: None leaves ``serve``'s defaults."""
-    argv = [sys.executable, "-m", "adaptivespec.cli", "serve", "--runtime", "torch", "--config", str(config),
+    ``queue_size``, ``parallel``: None leaves ``serve``'s defaults; ``runtime``: ``llamacpp`` for a
+    config on the llama.cpp runtime (the same server, one generation at a time)."""
+    argv = [sys.executable, "-m", "adaptivespec.cli", "serve", "--runtime", runtime, "--config", str(config),
             "--host", host, "--port", str(port)]
     if parallel is not None:
         argv += ["--parallel", str(parallel)]
