@@ -51,8 +51,8 @@ def _groups(entries) -> dict[str, int]:
 @attrs.frozen(kw_only=True)
 class RuntimeConfig:
     name: str = "torch"
-    """Registered runtime, or ``auto``: ``llamacpp`` where it is installed and measured faster here
-    (:func:`resolve_runtime`), else ``torch``; resolved when the config loads."""
+    """Registered runtime, or ``auto``: ``llamacpp`` where it is installed and measured faster on this
+    kind of CPU (:func:`resolve_runtime`: no fast bf16), else ``torch``; resolved when the config loads."""
     device: str = "cpu"
     """Torch device: ``cpu``, ``cuda``, ``cuda:1`` ..."""
     dtype: str = attrs.field(default="auto", validator=one_of("auto", "float32", "bfloat16"))
@@ -275,8 +275,7 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
             raise ConfigError(where, f"{kind}.name", str(exc)) from None
         params = structure(entry.cls.Params, raw, where, kind)
         strategies[kind] = StrategyConfig(name=name, params=params)
-    sections["runtime"] = resolve_runtime(sections["runtime"], sections["model"], strategies["policy"].name,
-                                          autoregressive=sections["model"].drafter is None and not data.get("sources"))
+    sections["runtime"] = resolve_runtime(sections["runtime"], sections["model"])
     for kind, registry in (("runtime", host.runtimes), ("drafter", host.drafters)):
         name = sections["runtime"].name if kind == "runtime" else sections["model"].drafter_kind
         if name not in registry:
@@ -288,20 +287,14 @@ def build_config(data: dict[str, Any], where: str = "<config>", host=None) -> Co
     return config
 
 
-COST_PRICED = ("cost_aware",)
-"""Policies measured to size trees from llama.cpp's row costs (the plain step included): ``runtime: auto``
-takes llama.cpp for them on every CPU where it is installed."""
-
-
-def resolve_runtime(runtime: RuntimeConfig, model: Any, policy: str, *, autoregressive: bool) -> RuntimeConfig:
+def resolve_runtime(runtime: RuntimeConfig, model: Any) -> RuntimeConfig:
     """``runtime`` with ``name: auto`` replaced by this machine's choice: ``llamacpp`` where
     llama-cpp-python is installed, the device is the CPU, the target is a GGUF file or the embedded
-    one (its shipped file) and the target is not quantized by torch, and where it was measured
-    faster: on a CPU without fast bf16 (AVX2: torch's float32 runs at ~0.2-0.3x llama.cpp's plain
-    decoding, docs/cpus.md) for every config; with fast bf16 (AVX512-BF16: llama.cpp's plain
-    decoding 1.4-2x torch's bf16) for plain decoding and the policies that price its rows
-    (:data:`COST_PRICED`), not for fixed trees (their rows cost nearly a whole step on llama.cpp,
-    docs/llamacpp.md); AMX: not measured, ``torch``. Else ``torch``."""
+    one (its shipped file), torch does not quantize it, and the CPU has no fast bf16 (AVX2: torch's
+    float32 ran at ~0.2-0.3x llama.cpp's plain decoding there, docs/cpus.md); else ``torch``. With
+    AVX512-BF16 torch was measured faster over whole requests (docs/llamacpp.md, 2026-12-07:
+    torch's bf16 ``cost-aware-hybrid`` 62 tok/s against 48 for llama.cpp's best on the shipped Q4_1
+    file, whose prompt processing is slow); AMX: not measured on llama.cpp, torch."""
     if runtime.name != "auto":
         return runtime
     import importlib.util
@@ -312,9 +305,7 @@ def resolve_runtime(runtime: RuntimeConfig, model: Any, policy: str, *, autoregr
     gguf = target == EMBEDDED or target.endswith(".gguf")
     usable = (runtime.device == "cpu" and runtime.quantization == "none" and gguf
               and importlib.util.find_spec("llama_cpp") is not None)
-    level = hardware.isa()
-    faster = not hardware.fast_bf16(runtime.device) or (level != "amx" and (autoregressive or policy in COST_PRICED))
-    return attrs.evolve(runtime, name="llamacpp" if usable and faster else "torch")
+    return attrs.evolve(runtime, name="llamacpp" if usable and not hardware.fast_bf16(runtime.device) else "torch")
 
 
 def resolve_dtype(runtime: RuntimeConfig, where: str = "<config>") -> RuntimeConfig:

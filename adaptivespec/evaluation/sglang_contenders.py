@@ -56,8 +56,12 @@ class ConfigPrompts:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            target = self.config.model.target
-            self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
+            target = str(self.config.model.target)
+            if target.endswith(".gguf"):  # the llama.cpp runtime's file: the tokenizer it holds (as that runtime reads it)
+                path = Path(target).expanduser()
+                self._tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+            else:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
         return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
