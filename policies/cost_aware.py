@@ -33,6 +33,11 @@ this machine's measured cost table: ``costs``) turns every decision into tokens 
   padding with the next-best nodes instead);
 * **learning** (``observe_tree``, after each verify): the map and ``cont`` are updated from which
   verified nodes were on the accepted path (vectorised);
+* **plain steps** (``min_keep: 0``): where no candidate pays for what verifying it adds (the cost
+  model's ``tree_step``: on llama.cpp two rows cost nearly twice one; and the learned extra time of
+  a drafted step over its price), the root is verified alone; on a runtime that keeps its head's
+  rows for later (llamacpp) the next 1, 2, 4, ... ``plain_streak`` steps are then plain decoding
+  steps with the head idle (:meth:`CostAwarePolicy.plain_next`), a drafted tree ending the streak;
 * **circuit breaker** (as in ``dcs``): ``breaker_steps`` consecutive zero-accept steps force the
   next step to draft the full tree (``max_depth`` levels, the largest bucket verified), a probe
   that keeps the map fed where it has been too pessimistic (with sources, its fused tree takes
@@ -264,10 +269,14 @@ class CostAwarePolicy(TreePolicy):
         """:func:`~adaptivespec.costmodel.rank_by_value` at this step's costs: ``(order, k, rate)``. A
         tree is priced with the cost model's ``tree_step`` and, where the root alone may win
         (``min_keep: 0``), the learned extra time of a drafted step over its price (:meth:`observe`)."""
-        tree_ms = self.cost.tree_step + (self._overhead if self.params.min_keep == 0 else 0.0)
-        order, k, rate = rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
-                                       min_keep=min_keep, max_keep=max_keep, forced=forced, tree_ms=tree_ms)
-        return order, k, rate
+        return rank_by_value(values, base_ms=self._base_ms(levels, nodes), per_token_ms=self._token_ms,
+                             min_keep=min_keep, max_keep=max_keep, forced=forced, tree_ms=self._tree_ms)
+
+    @property
+    def _tree_ms(self) -> float:
+        """What a tree costs beyond the line through one row: ``tree_step``, and the learned overhead where
+        the root alone may win."""
+        return self.cost.tree_step + (self._overhead if self.params.min_keep == 0 else 0.0)
 
     def _price(self, levels: int, nodes: int, k: int) -> float:
         """What the cost model says a step of ``levels`` draft forwards over ``nodes`` nodes verifying ``k`` + 1 rows takes."""
@@ -301,7 +310,7 @@ class CostAwarePolicy(TreePolicy):
             gain = float(top.sum()) * cont
             margin = gain - rate * (c.per_draft_level + k * (c.per_draft_node + self._token_ms))
         if kept == 0:  # a plain step is the best so far: a tree must pay for the switch to it too
-            margin -= rate * c.tree_step
+            margin -= rate * self._tree_ms
         self._level_gain.append(margin)
         if margin <= 0:
             self._stop = "cost"
