@@ -4,18 +4,16 @@ bench) and stops by their process group at the end, read as streams by
 :func:`adaptivespec.evaluation.load.run_level`.
 
 * a served config (``--served-configs``): ``adaptivespec serve --runtime torch`` (``TorchServedContender``),
-  ``POST /v1/completions``; its chunks carry text, so their tokens are counted by re-tokenizing it (after
-  the level; the last chunk takes what ``usage.completion_tokens`` leaves). ``--parallel <highest
-  level>`` where ``serve`` has that flag (:func:`serve_accepts`), ``--queue-size`` at least that;
-* an SGLang peer (``--peers sglang,sglang-eagle3,...``, ``SGLangContender``), its native ``POST /generate``
-  streamed; each chunk's ``meta_info.completion_tokens`` is the running count.
-  Its KV pool (``--max-total-tokens``) is sized for every level's requests at once; the prefix
-  cache is flushed before each pass;
-* ``llama-server`` (llama.cpp), where a binary is found (:func:`find_llama_server`): the target's GGUF
-  with ``--parallel <highest level>`` slots, ``POST /completion`` streamed (a chunk per token, or its ``tokens``).
+  ``POST /v1/completions``; its chunks carry text, so their tokens are counted by re-tokenizing it (after the level;
+  the last chunk takes what ``usage.completion_tokens`` leaves). ``--parallel <highest level>`` where ``serve``
+  has that flag (:func:`serve_accepts`), ``--queue-size`` at least that;
+* an SGLang peer (``--peers sglang,...``, ``SGLangContender``): native ``POST /generate`` streamed, each chunk's
+  ``meta_info.completion_tokens`` the running count; KV pool sized for all of a level, prefix cache flushed per pass;
+* ``llama-server`` (llama.cpp), where a binary is found (:func:`find_llama_server`): the configs' GGUF (or the
+  embedded one's), ``--parallel <highest level>`` slots, ``POST /completion`` streamed (a chunk per token, or its ``tokens``).
 
-Every request is greedy, on the bench's own prompt token ids, ``max_new_tokens`` as given, a
-structured prompt's ``response_format`` in each server's own form (``adaptivespec.constraints``).
+Every request: greedy, the bench's own prompt ids, ``max_new_tokens`` as given, a ``response_format`` in each
+server's own form (``adaptivespec.constraints``).
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ from adaptivespec.server.launch import DEFAULT_QUEUE_SIZE
 
 LLAMA_SERVER_ENV = "ADAPTIVESPEC_LLAMA_SERVER"  # the llama-server binary (else --llama-server, else PATH)
 LLAMA_MODEL_ENV = "ADAPTIVESPEC_LLAMA_MODEL"
-"""The GGUF ``llama-server`` loads (default: the configs' ``model.target`` where it is a GGUF file, else
-the embedded target's GGUF)."""
+"""The GGUF ``llama-server`` loads (default: the configs' GGUF ``model.target``, else the embedded one's)."""
 LLAMA_ARGS_ENV = "ADAPTIVESPEC_LLAMA_ARGS"
 """Further ``llama-server`` arguments, split as a shell would (e.g. a draft model: ``-md draft.gguf``)."""
 CONTEXT_MARGIN = 64
@@ -210,8 +207,8 @@ class LlamaServerLoad(ConfigPrompts, LoadContender):
         from adaptivespec.sglang.server import SGLangServer, free_port
 
         self.name, self.config, self._tokenizer = "llama-server", config, None
-        own = str(config.model.target) if str(config.model.target).endswith(".gguf") else None  # the configs' own file
-        self.model = model or os.environ.get(LLAMA_MODEL_ENV) or own or str(embedded_gguf())
+        own = str(config.model.target) if str(config.model.target).endswith(".gguf") else str(embedded_gguf())
+        self.model = model or os.environ.get(LLAMA_MODEL_ENV) or own
         if not Path(self.model).is_file():
             raise AdaptiveSpecError(f"{LLAMA_MODEL_ENV}: {self.model}: GGUF file not found")
         argv = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(free_port()),
