@@ -13,9 +13,9 @@ Three pieces, used by the ``cost_aware`` tree policy and reusable on any candida
   tokens verified, the root included). Every verified row attends over the whole context, so a
   row costs more as the prompt grows: ``per_verified_token_context`` is that growth (0 in a
   profile fitted on prompts of one length, or written before the term existed). ``tree_step`` is
-  what a verify of two or more rows costs beyond the line through one row: llama.cpp runs one row
-  through matrix-vector kernels and two or more through matrix-matrix ones, and on a CPU the switch
-  alone costs most of a row (0 on the torch runtime, in a fitted profile, and in older files).
+  what a verify of two or more rows costs beyond the line through one row: measured, the second
+  row of a llama.cpp decode on a CPU costs 0.8-0.9 of the first, the third and later ones far less
+  (docs/llamacpp.md; 0 on the torch runtime, in a fitted profile, and in older files).
 * :class:`CalibrationMap`: an online map from a drafted node's (depth, cumulative draft
   log-probability) to the probability that strict verification accepts it, updated from every
   verify result (which nodes were verified, which were on the accepted path), starting from a
@@ -147,7 +147,8 @@ class ProfileOrigin:
         """What about the running setup makes this file's timings another machine's: the CPU's name, and
         where ``running`` says (the engine's cost source does) the runtime, the dtype and the ISA level
         (two "AMD EPYC" CPUs, one with AVX-512 and one without, share a name), each a short phrase."""
-        out = [f"CPU {self.cpu!r} (running {cpu_name()!r})"] if self.cpu is not None and self.cpu != cpu_name() else []
+        cpu = self._other_cpu()
+        out = [cpu] if cpu else []
         if running is None:
             return out
         if (self.runtime or "torch") != running.runtime:
@@ -168,9 +169,13 @@ class ProfileOrigin:
             out.append(f"drafter {self.drafter} (running {drafter})")
         if self.timed and self.device is not None and self.device != device:
             out.append(f"device {self.device} (running {device})")
-        elif self.timed and device == "cpu" and self.cpu is not None and self.cpu != cpu_name():
-            out.append(f"CPU {self.cpu!r} (running {cpu_name()!r})")
+        elif self.timed and device == "cpu" and (cpu := self._other_cpu()):
+            out.append(cpu)
         return out
+
+    def _other_cpu(self) -> str | None:
+        """``CPU '<file's>' (running '<this one>')`` where the file names another CPU, else None."""
+        return f"CPU {self.cpu!r} (running {cpu_name()!r})" if self.cpu is not None and self.cpu != cpu_name() else None
 
 
 @attrs.frozen
@@ -267,8 +272,8 @@ class CostModel:
     per_verified_token_context: float = 0.0
     """Extra milliseconds per verified token per committed position (attention over the context)."""
     tree_step: float = 0.0
-    """Extra milliseconds of a verify of two or more rows over the line through one row (the switch
-    from matrix-vector to matrix-matrix kernels: llama.cpp's); what a plain step saves beside a tree."""
+    """Extra milliseconds of a verify of two or more rows over the line through one row (llama.cpp on a
+    CPU: its second row costs nearly a first); what a plain step saves beside a tree."""
     context_ref: float = 256.0
     """Typical committed context (positions) when a caller does not know ``P``."""
     meta: dict[str, Any] = attrs.field(factory=dict, eq=False)
@@ -341,8 +346,7 @@ class CostModel:
         The verify forward is taken as one row's cost at ``rows`` = 1 and, from two rows on, the line
         through ``rows`` = 2 and ``rows`` at each of the table's two contexts (the rows a single
         request's tree uses); where two rows cost more than that line says one more row should
-        (llama.cpp: matrix-vector kernels at one row, matrix-matrix ones from two), the difference is
-        ``tree_step`` (the mean of the two contexts'). The context terms come from how the line moves
+        (llama.cpp on a CPU), the difference is ``tree_step`` (the mean of the two contexts'). The context terms come from how the line moves
         between the contexts, so ``step_ms(n, context=P)`` is the table's ``verify(n, P)`` at ``n`` = 1
         and ``rows`` for every ``P`` (and at 2, up to the two contexts' ``tree_step`` differing), plus
         one draft-head forward of one row (the root's, which every step runs: in ``fixed`` as in a
@@ -538,8 +542,8 @@ def rank_by_value(
 
     ``values``: [c] expected accepted tokens of each candidate (calibrated acceptance). The step
     emits ``1 + sum(values)`` tokens in expectation and costs ``base_ms + per_token_ms * (k + 1)``
-    (the root is verified too), plus ``tree_ms`` when ``k >= 1`` (:attr:`CostModel.tree_step`), so the best ``k`` maximises that ratio over prefixes of the ranking
-    by value: a candidate is worth verifying while its value exceeds ``per_token_ms`` times the
+    (the root is verified too), plus ``tree_ms`` when ``k >= 1`` (:attr:`CostModel.tree_step`), so
+    the best ``k`` maximises that ratio over prefixes of the ranking by value: a candidate is worth verifying while its value exceeds ``per_token_ms`` times the
     tokens per millisecond already reached (the marginal cost of one more verified token).
     ``forced`` [c] bool: candidates ranked first whatever their value (the root's best children);
     ``min_keep <= k <= max_keep``. ``ancestors`` [c, c] bool (optional, for candidate sets whose

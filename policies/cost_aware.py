@@ -278,10 +278,6 @@ class CostAwarePolicy(TreePolicy):
         the root alone may win."""
         return self.cost.tree_step + (self._overhead if self.params.min_keep == 0 else 0.0)
 
-    def _price(self, levels: int, nodes: int, k: int) -> float:
-        """What the cost model says a step of ``levels`` draft forwards over ``nodes`` nodes verifying ``k`` + 1 rows takes."""
-        return self._base_ms(levels, nodes) + self._token_ms * (k + 1) + (self.cost.tree_step if k else 0.0)
-
     def select_level(self, scores: torch.Tensor, depth: int, shape: TreeShape, nodes_so_far: int):
         if depth == 1:
             self._levels, self._level_gain, self._values, self._stop = [], [], [], None
@@ -357,7 +353,7 @@ class CostAwarePolicy(TreePolicy):
             self._forced, self._probe = False, True
             order = torch.sort(scores, descending=True, stable=True).indices
             k, rate = min(cap, order.shape[0]), 0.0
-            self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
+            self._budget, self._rate, self._priced = k + 1, rate, self.cost.step_ms(k + 1, levels, nodes, self._context)
             self._expected = 1.0 + float(values[order[:k].cpu().numpy()].sum())
             return order[:k]
         forced = np.zeros(values.shape[0], dtype=bool)
@@ -367,7 +363,7 @@ class CostAwarePolicy(TreePolicy):
         if self.params.fill_buckets:
             k = min(self.verify_shape(shape, k + 1).ndt - 1, order.shape[0])
         kept = order[:k]
-        self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
+        self._budget, self._rate, self._priced = k + 1, rate, self.cost.step_ms(k + 1, levels, nodes, self._context)
         self._expected = 1.0 + float(values[kept].sum())
         return torch.from_numpy(kept).to(scores.device)
 
@@ -399,7 +395,7 @@ class CostAwarePolicy(TreePolicy):
         fused_head = np.concatenate([[0], head[np.argsort(index, kind="stable")]])  # per fused node; -1: a source's
         self._fused = (fused_head, self._head)
         self._head = None
-        self._budget, self._rate, self._priced = k + 1, rate, self._price(levels, nodes, k)
+        self._budget, self._rate, self._priced = k + 1, rate, self.cost.step_ms(k + 1, levels, nodes, self._context)
         self._expected = 1.0 + float(v[:k].sum())
         self._source_nodes = int((head < 0).sum())
         return k

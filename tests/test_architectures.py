@@ -198,9 +198,9 @@ LOSSLESS_CASES = [(arch, config) for arch in sorted(ARCHS) for config in ("ar", 
 def test_strict_decoding_equals_greedy_generate(arch, config, models_dir, host):
     target_dir, head_dir = models_dir[arch]
     engine = engine_for(host, config, target_dir, None if config == "ar" else head_dir)
-    # (cost-aware with a tree at every step: the shipped min_keep 0 verifies the root alone where the oracle's
-    # drafts, valued by the real head's calibration, do not pay)
-    trees = ("policy.min_keep=1",) if config == "cost-aware" else ()
+    # (cost-aware with a tree at every step, priced by the shipped profile: the shipped min_keep 0 verifies the
+    # root alone where the oracle's drafts, valued by the real head's calibration, do not pay)
+    trees = ("policy.min_keep=1", "policy.costs=profile") if config == "cost-aware" else ()
     oracle = engine_for(host, config, target_dir, head_dir, "model.drafter_kind=testing-oracle", *trees) if config != "ar" else None
     accepted = 0
     for prompt in PROMPTS:

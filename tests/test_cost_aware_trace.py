@@ -20,7 +20,8 @@ ROWS = [{"question_id": "a", "category": "mix:math", "turns": ["What is 12 times
 def test_the_trace_follows_one_engine_across_prompts(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    assert cost_aware_trace.main(["--data", str(data), "--config", str(CONFIG), "--max-new-tokens", "12", "--set", "runtime.dtype=float32"]) == 0
+    assert cost_aware_trace.main(["--data", str(data), "--config", str(CONFIG), "--max-new-tokens", "12", "--set", "runtime.dtype=float32",
+                                   "--set", "policy.costs=profile"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and lines[0].startswith("mix:math") and lines[1].startswith("mix:code")
     assert lines[2].startswith("pooled tau") and "target forwards" in lines[2]
@@ -28,7 +29,7 @@ def test_the_trace_follows_one_engine_across_prompts(tmp_path, capsys):
     from adaptivespec.config import load_config
     from adaptivespec.decode import Engine
 
-    engine = Engine(load_config(str(CONFIG), ["runtime.dtype=float32"]))
+    engine = Engine(load_config(str(CONFIG), ["runtime.dtype=float32", "policy.costs=profile"]))  # priced as shipped
     first = engine.policy.continuation()
     rows = list(cost_aware_trace.trace(engine, ROWS, 12))
     assert [r["id"] for r in rows] == ["a", "b"]

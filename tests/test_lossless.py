@@ -42,6 +42,8 @@ POLICIES["cost-aware-trees"] = [*POLICIES["cost-aware-shipped"], "policy.min_kee
 # the post-draft policy as configs/post-draft.yaml ships it: depth, branching and verified subtree vary per step
 _POST = yaml.safe_load((Path(__file__).parents[1] / "configs" / "post-draft.yaml").read_text())["policy"]
 POLICIES["post-draft-shipped"] = [f"policy.{k}={json.dumps(v)}" for k, v in _POST.items()]
+for _name in ("cost-aware-shipped", "cost-aware-trees", "post-draft-shipped"):  # priced by the shipped profile, as
+    POLICIES[_name].append("policy.costs=profile")  # shipped: not by a table this machine measured for float32
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -157,8 +159,8 @@ RETRIEVAL_CONFIGS = {  # name: (config file, overrides, prompts)
     "hybrid": ("hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
     "hybrid-skip-draft": ("hybrid.yaml", ["sources=[{name: retrieval, extra_slots: 4, skip_draft_match: 2}]"], REPEATING[:1]),
     "retrieval": ("retrieval.yaml", [], [*REPEATING, PROMPTS[0]]),
-    "cost-aware-hybrid": ("cost-aware-hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
-    "post-draft-hybrid": ("post-draft-hybrid.yaml", [], [*REPEATING, PROMPTS[0]]),
+    "cost-aware-hybrid": ("cost-aware-hybrid.yaml", ["policy.costs=profile"], [*REPEATING, PROMPTS[0]]),  # priced as
+    "post-draft-hybrid": ("post-draft-hybrid.yaml", ["policy.costs=profile"], [*REPEATING, PROMPTS[0]]),  # shipped
 }
 
 

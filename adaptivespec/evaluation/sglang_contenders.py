@@ -57,9 +57,10 @@ class ConfigPrompts:
     def tokenizer(self):
         if self._tokenizer is None:
             target = str(self.config.model.target)
-            if target.endswith(".gguf"):  # the llama.cpp runtime's file: the tokenizer it holds (as that runtime reads it)
-                path = Path(target).expanduser()
-                self._tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+            if target.endswith(".gguf"):  # the llama.cpp runtime's file: its tokenizer, as that runtime reads it
+                from adaptivespec.llamacpp.target import gguf_path, gguf_tokenizer
+
+                self._tokenizer = gguf_tokenizer(gguf_path(target))
             else:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(embedded_folder()) if target == EMBEDDED else target)
         return self._tokenizer

@@ -84,6 +84,13 @@ def token_embeddings(path: Path) -> torch.Tensor:
     return torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype("float32", copy=False).copy())
 
 
+def gguf_tokenizer(path: Path):
+    """transformers' tokenizer of the GGUF file ``path`` (the vocabulary the file holds)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+
+
 def load_target(target: str, dtype: torch.dtype) -> tuple[GGUFTarget, object]:
     """(:class:`GGUFTarget` with embeddings in ``dtype``, transformers tokenizer) for ``model.target``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -104,7 +111,7 @@ def load_target(target: str, dtype: torch.dtype) -> tuple[GGUFTarget, object]:
                 gen = GenerationConfig.from_model_config(config)
         else:
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+            tok = gguf_tokenizer(path)
             gen = GenerationConfig.from_model_config(config)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"model.target: {path}: transformers cannot read its config or tokenizer "
