@@ -22,7 +22,7 @@ module is called, and may move without notice. The built-in strategies (``polici
   :class:`GrammarState` (``CandidateSource.constraint``), and what runtime and drafter plugins
   implement, :class:`Runtime` and :class:`Drafter`;
 * **errors**: :class:`AdaptiveSpecError` (one line to the user, exit code 2), :class:`ConfigError`;
-* **the machine**: :func:`cpu_kind` (``amx``, ``avx512`` or None: for settings measured per CPU kind).
+* **the machine**: :func:`cpu_kind` (``amx``, ``avx512``, ``avx2`` or None: for settings measured per CPU kind).
 
 A plugin module then reads::
 

@@ -157,15 +157,19 @@ def missing(feature: str, flags: frozenset[str] | None = None) -> str | None:
 
 
 def cpu_kind(flags: frozenset[str] | None = None) -> str | None:
-    """What a bf16 row costs on this CPU, in one word: ``amx`` (AMX tiles, ``amx_bf16``: verified
+    """What a verified row costs on this CPU, in one word: ``amx`` (AMX tiles, ``amx_bf16``: bf16
     rows nearly free up to ~32 on a 2-vCPU Xeon), ``avx512`` (AVX-512 bf16 without AMX: ~0.7 ms a
-    row beyond 8 on a 2-vCPU EPYC), else None. ``flags``: default :func:`cpu_flags` (capped by
+    bf16 row beyond 8 on a 2-vCPU EPYC), ``avx2`` (an x86 CPU with AVX2 + FMA and no fast bf16, so
+    ``dtype: auto`` runs float32: ~2-4 ms a row, a tree of 8 rows ~1.7x one row under the AVX2 cap),
+    else None (Arm, or an x86 CPU older than AVX2). ``flags``: default :func:`cpu_flags` (capped by
     ``$ADAPTIVESPEC_CPU_ISA`` either way)."""
     f = features(flags)
     if "amx_bf16" in f:
         return "amx"
     if {"avx512f", "avx512_bf16"} <= f:
         return "avx512"
+    if {"avx2", "fma"} <= f:
+        return "avx2"
     return None
 
 

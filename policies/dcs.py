@@ -56,6 +56,8 @@ class DcsOnCpu:
     """On a CPU with AMX (``amx_bf16``)."""
     avx512: DcsEnds | None = None
     """On a CPU with AVX-512 bf16 and no AMX."""
+    avx2: DcsEnds | None = None
+    """On an x86 CPU with AVX2 and no fast bf16 (``dtype: auto`` runs float32 there)."""
 
 
 @attrs.frozen(kw_only=True)

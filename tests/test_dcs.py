@@ -300,7 +300,7 @@ def test_on_cpu_ends_replace_wide_and_deep_on_a_cpu_of_that_kind(monkeypatch):
     assert shapes[-1] == TreeShape(5, 2, 6)  # confident and accepting: the kind's deep end
 
 
-@pytest.mark.parametrize(("kind", "device"), [("amx", "cpu"), (None, "cpu"), ("avx512", "cuda"), ("avx512", "cuda:0")])
+@pytest.mark.parametrize(("kind", "device"), [("amx", "cpu"), ("avx2", "cpu"), (None, "cpu"), ("avx512", "cuda"), ("avx512", "cuda:0")])
 def test_ends_stay_where_no_entry_names_the_machine(monkeypatch, kind, device):
     monkeypatch.setattr(dcs, "cpu_kind", lambda: kind)
     params = structure(DcsParams, ON_CPU, "x.yaml", "policy")

@@ -42,13 +42,24 @@ def test_each_cpu_kind_gets_its_level_and_dtype(flags, level, dtype, monkeypatch
     assert hardware.auto_dtype("cuda:0") == "bfloat16"
 
 
+@pytest.mark.parametrize(("flags", "kind"), [
+    (AVX2_EPYC, "avx2"), (AVX512_EPYC, "avx512"), (AMX_XEON, "amx"),
+    (AVX512_EPYC - {"avx512_bf16"}, "avx2"),  # AVX-512 without bf16 runs float32 like an AVX2 CPU
+    (frozenset({"sse2"}), None),
+])
+def test_cpu_kind_follows_what_runs_there(flags, kind, monkeypatch):
+    monkeypatch.delenv(hardware.ISA_ENV, raising=False)
+    assert hardware.cpu_kind(flags) == kind
+    assert (kind in ("amx", "avx512")) == hardware.has("bf16_kernels", flags)  # the bf16 kinds are where bf16 is fast
+
+
 @pytest.mark.parametrize("flags", [AVX512_EPYC, AMX_XEON])
 def test_a_cap_makes_any_cpu_an_avx2_one(flags, monkeypatch):
     monkeypatch.setenv(hardware.ISA_ENV, "avx2")
     assert hardware.isa(flags) == "avx2"
     assert not hardware.has("bf16_kernels", flags) and not hardware.has("vnni", flags)
     assert not hardware.has("onednn_bf16", flags) and hardware.has("avx2", flags)
-    assert hardware.cpu_kind(flags) is None
+    assert hardware.cpu_kind(flags) == "avx2"  # settings measured per CPU kind follow the cap too
     assert hardware.missing("bf16_kernels", flags) == \
         "needs AVX512-BF16: this CPU has avx2 (capped by $ADAPTIVESPEC_CPU_ISA)"
     monkeypatch.setenv(hardware.ISA_ENV, "avx512")

@@ -138,3 +138,67 @@ def test_the_fused_float32_forward_runs_on_a_cpu_capped_to_avx2(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens" in done.stdout
+
+
+# -- our float32 matmul for few rows (csrc/f32_linear.cpp) ------------------------------------------------
+def _f32_ops():
+    from adaptivespec.fastpath import native
+
+    ops = native.f32_linear_ops()
+    if ops is None:
+        pytest.skip(f"our float32 kernel is not built here: {native._STATE.get('f32_linear_why')}")
+    return ops
+
+
+@pytest.mark.parametrize(("N", "K"), [(37, 20), (64, 576), (1000, 96)])
+def test_our_float32_matmul_computes_x_times_w_transposed_plus_bias(N, K):
+    ops = _f32_ops()
+    gen = torch.Generator().manual_seed(N * K)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    packed = ops.pack_f32(w)
+    for M in (1, 2, 3, 6, 7, 13, 40):
+        x = torch.randn(M, K, generator=gen)
+        want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(ops.linear_f32(x, packed, N, b).double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+        torch.testing.assert_close(ops.linear_f32(x, packed, N, None).double(), want - b.double(),
+                                   rtol=1e-5, atol=1e-5 * K ** 0.5)
+    strided = torch.randn(5, 2 * K, generator=gen)[:, :K]  # rows further apart than K
+    torch.testing.assert_close(ops.linear_f32(strided, packed, N, b), ops.linear_f32(strided.contiguous(), packed, N, b),
+                               rtol=0, atol=0)
+
+
+def test_a_row_of_our_float32_matmul_has_the_same_bits_alone_or_beside_others():
+    ops = _f32_ops()
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 576, generator=gen)
+    packed = ops.pack_f32(w)
+    x = torch.randn(17, 576, generator=gen)
+    together = ops.linear_f32(x, packed, 200, None)
+    alone = torch.cat([ops.linear_f32(x[i:i + 1], packed, 200, None) for i in range(17)])
+    assert torch.equal(together, alone)  # what decides a tree's root: the same as a plain step's row
+    assert torch.equal(ops.linear_f32(x[3:9], packed, 200, None), together[3:9])
+
+
+def test_float32_weights_run_our_kernel_where_it_builds_and_torch_without_it(monkeypatch):
+    from adaptivespec.fastpath import native
+
+    ops = _f32_ops()
+    gen = torch.Generator().manual_seed(11)
+    w, b, x = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen), torch.randn(3, 4, 32, generator=gen)
+    ours = Float32Weight(w, b)
+    assert ours.ours is ops
+    monkeypatch.setenv(native.LINEAR_ENV, "1")  # the switch: torch's matmul (MKL) as before
+    theirs = Float32Weight(w, b)
+    assert theirs.ours is None
+    torch.testing.assert_close(ours(x), theirs(x), **TOL)
+    assert ours(x).shape == (3, 4, 48)
+
+
+def test_a_float32_cost_table_names_the_matmul_that_priced_it(monkeypatch):
+    from adaptivespec.fastpath import costs, native
+
+    key = costs.machine_key("smollm2-135m-instruct", "float32")
+    assert key["linear"] == ("kernel" if native.f32_linear_ops() is not None else "torch")
+    assert "linear" not in costs.machine_key("smollm2-135m-instruct", "bfloat16")  # bf16 tables stay valid
+    monkeypatch.setenv(native.LINEAR_ENV, "1")
+    assert costs.machine_key("smollm2-135m-instruct", "float32")["linear"] == "torch"  # a table of the other is measured again

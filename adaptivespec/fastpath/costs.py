@@ -97,12 +97,16 @@ def _interp(x, xs: Sequence[int], ys: Sequence[float]):
 # -- measuring --------------------------------------------------------------------------------------
 def machine_key(target_name: str, dtype: str) -> dict:
     """What a cost table holds for: a table measured under another key is measured again (the
-    attention path too: the bf16 kernel changes what a row costs at long context)."""
-    from adaptivespec.fastpath.native import attention_ops
+    attention path too: the bf16 kernel changes what a row costs at long context; in float32 the
+    matmul, ``linear``: our kernel makes 2-16 rows cost about what one does, MKL's sgemm 2-3x)."""
+    from adaptivespec.fastpath.native import attention_ops, f32_linear_ops
 
     attention = "kernel" if dtype == "bfloat16" and attention_ops() is not None else "sdpa"
-    return {"cpu": cpu_name(), "isa": hardware.isa(), "target": target_name, "dtype": dtype,
-            "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0], "attention": attention}
+    key = {"cpu": cpu_name(), "isa": hardware.isa(), "target": target_name, "dtype": dtype,
+           "threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0], "attention": attention}
+    if dtype == "float32":
+        key["linear"] = "kernel" if f32_linear_ops() is not None else "torch"
+    return key
 
 
 def cost_path(key: dict) -> Path:

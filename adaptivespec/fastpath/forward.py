@@ -276,23 +276,37 @@ _MKL_PACK = getattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None) if torch.
 
 
 class Float32Weight:
-    """A float32 weight ``[out, in]`` (and bias) for torch's own matmuls on any CPU: call it on ``x [rows, in]``.
+    """A float32 weight ``[out, in]`` (and bias) for the matmuls of a float32 forward on any CPU: call it on ``x [rows, in]``.
 
-    One row (a plain decoding step) runs MKL's packed sgemm on a copy of the weight packed once for
-    one row (``torch.ops.mkl._mkl_linear``; AVX2 suffices): ~20 % less time per step than ``F.linear``
-    on a 2-vCPU AMD EPYC, capped to AVX2 or not (docs/speed.md, *float32*). Other row counts, and
-    torch builds without MKL, run ``F.linear``. oneDNN's packed float32 matmul was much slower here."""
+    Where the CPU has AVX2 + FMA and our kernel builds (:func:`adaptivespec.fastpath.native.f32_linear_ops`),
+    every call runs it on a copy of the weight packed once (``csrc/f32_linear.cpp``): the weight is read
+    once for all of a call's rows and each output is summed in one fixed order, so a row's bits do not
+    depend on the rows beside it. On a 2-vCPU AMD EPYC capped to AVX2, SmolLM2-135M's layers and head
+    (streamed from memory, as in a forward) took 16 ms for one row against MKL's 34, 19 ms for 4 rows
+    against 64, 37 ms for 16 against 87 (docs/speed.md, *float32*). Elsewhere (no AVX2, no compiler,
+    ``$ADAPTIVESPEC_NO_LINEAR_KERNEL=1``) one row runs MKL's packed sgemm (``torch.ops.mkl._mkl_linear``
+    on a copy packed for one row) and other row counts ``F.linear``; oneDNN's packed float32 matmul was
+    much slower here."""
 
-    __slots__ = ("weight", "bias", "out_features", "packed")
+    __slots__ = ("weight", "bias", "out_features", "packed", "ours")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-        self.packed = _MKL_PACK(self.weight, 1) if _MKL_PACK is not None else None
+        self.ours = native.f32_linear_ops()
+        if self.ours is not None:
+            self.packed = self.ours.pack_f32(self.weight)
+        else:
+            self.packed = _MKL_PACK(self.weight, 1) if _MKL_PACK is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:  # one row: the packed copy; any other count: F.linear on the weight
+        if self.ours is not None:
+            if x.dim() == 2:
+                return self.ours.linear_f32(x, self.packed, self.out_features, self.bias)
+            y = self.ours.linear_f32(x.reshape(-1, x.shape[-1]), self.packed, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.packed is not None:  # one row: the packed copy (MKL runs F.linear's matmul for any other count)
             return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, 1)
         return F.linear(x, self.weight, self.bias)
 

@@ -108,6 +108,26 @@ def linear_ops():
     return _bf16_module("linear", LINEAR_ENV, "adaptivespec_bf16_linear", LINEAR_SOURCE)
 
 
+F32_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "f32_linear.cpp"
+
+
+def f32_linear_ops():
+    """The float32 linear for few rows (``pack_f32``, ``linear_f32``, ``available``) where it builds, the CPU
+    has AVX2 + FMA and ``$ADAPTIVESPEC_NO_LINEAR_KERNEL`` is not 1, else None (torch's matmul then; MKL's).
+    :class:`adaptivespec.fastpath.forward.Float32Weight` runs it: a weight read once for all of a call's
+    rows, each output summed in one fixed order (csrc/f32_linear.cpp)."""
+    if os.environ.get(LINEAR_ENV, "0") == "1":
+        return None
+    if "f32_linear" not in _STATE and not hardware.has("avx2"):  # nothing compiled for an ISA the CPU lacks
+        _STATE["f32_linear"], _STATE["f32_linear_why"] = None, hardware.missing("avx2")
+    if "f32_linear" not in _STATE:
+        module, why = _build("adaptivespec_f32_linear", F32_LINEAR_SOURCE, ATTENTION_FLAGS)
+        if module is not None and not module.available():
+            module, why = None, "built without AVX2 and FMA"
+        _STATE["f32_linear"], _STATE["f32_linear_why"] = module, why
+    return _STATE["f32_linear"]
+
+
 def _flags_key() -> str:
     """A short hash of the CPU's feature flags as the project sees them (capped by
     ``$ADAPTIVESPEC_CPU_ISA``): code compiled for one instruction set is kept apart from another's (two

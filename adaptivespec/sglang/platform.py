@@ -54,7 +54,7 @@ def cpu_mode(flags: frozenset[str] | None = None, env: Mapping[str, str] | None 
     env = os.environ if env is None else env
     if kind == "avx512" and env.get(AVX512_SWITCH_ENV, "1") == "0":
         return None
-    return kind
+    return kind if kind in ("amx", "avx512") else None  # an AVX2 CPU has no bf16 kernels for SGLang
 
 
 def cpu_refusal(flags: frozenset[str] | None = None, env: Mapping[str, str] | None = None) -> str | None:
