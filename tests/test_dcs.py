@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 
 from adaptivespec.params import structure
@@ -246,7 +247,7 @@ def test_next_shape_returns_the_prepared_objects():
         ({"wide": [0, 4, 4]}, "policy.wide: expected a valid tree shape [nsteps, topk, ndt], got [0, 4, 4]: "
                               "nsteps must be a positive integer, got 0"),
         ({"on_cpu": {"arm": {"wide": [2, 4, 6], "deep": [5, 2, 6]}}},
-         "policy.on_cpu.arm: unknown key; expected one of: amx, avx512"),
+         "policy.on_cpu.arm: unknown key; expected one of: amx, avx512, avx2"),
         ({"on_cpu": {"avx512": {"wide": [2, 4, 6], "deep": [5, 1, 9]}}},
          "policy.on_cpu.avx512.deep: expected a valid tree shape [nsteps, topk, ndt], got [5, 1, 9]: "
          "ndt - 1 = 8 drafted nodes cannot be kept from a tree of nsteps=5, topk=1 (at most 5 candidates)"),
@@ -314,4 +315,24 @@ def test_shipped_dynamic_config_has_ends_for_this_cpu_kind_where_measured():
 
     cfg = load_config("configs/adaptivespec-dynamic.yaml")
     assert cfg.policy.params.on_cpu.avx512 is not None  # measured on an AVX-512 EPYC (docs/tuning.md)
+    assert cfg.policy.params.on_cpu.avx2 is not None  # measured in float32 under the AVX2 cap (docs/tuning.md)
     assert cfg.policy.params.on_cpu.amx is None  # the AMX Xeon runs wide / deep, measured there
+
+
+def test_a_cpu_capped_to_avx2_runs_the_shipped_avx2_ends(monkeypatch):
+    from adaptivespec import hardware
+    from adaptivespec.config import load_config
+
+    monkeypatch.setenv(hardware.ISA_ENV, "avx2")
+    hardware._features.cache_clear()
+    try:
+        cfg = load_config("configs/adaptivespec-dynamic.yaml")
+        pol = DcsPolicy(cfg.policy.params)
+        pol.bind_costs(lambda: None, "cpu")
+        ends = cfg.policy.params.on_cpu.avx2
+        assert pol.cpu == "avx2"
+        unbound = DcsPolicy(attrs.evolve(cfg.policy.params, wide=ends.wide, deep=ends.deep))
+        assert pol.shapes() == unbound.shapes() and TreeShape(*ends.deep) in pol.shapes()
+        assert max(s.ndt for s in pol.shapes()) < max(s.ndt for s in DcsPolicy(cfg.policy.params).shapes())
+    finally:
+        hardware._features.cache_clear()
