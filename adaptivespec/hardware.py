@@ -160,7 +160,7 @@ def cpu_kind(flags: frozenset[str] | None = None) -> str | None:
     """What a verified row costs on this CPU, in one word: ``amx`` (AMX tiles, ``amx_bf16``: bf16
     rows nearly free up to ~32 on a 2-vCPU Xeon), ``avx512`` (AVX-512 bf16 without AMX: ~0.7 ms a
     bf16 row beyond 8 on a 2-vCPU EPYC), ``avx2`` (an x86 CPU with AVX2 + FMA and no fast bf16, so
-    ``dtype: auto`` runs float32: with our float32 matmul 2-6 rows cost ~1.1x one row, 16 rows ~1.9x, on a
+    ``dtype: auto`` runs float32: with our float32 matmul 2-6 rows cost 1.04-1.24x one row, 16 rows 1.9x, on a
     2-vCPU EPYC under the AVX2 cap),
     else None (Arm, or an x86 CPU older than AVX2). ``flags``: default :func:`cpu_flags` (capped by
     ``$ADAPTIVESPEC_CPU_ISA`` either way)."""

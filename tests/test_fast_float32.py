@@ -146,7 +146,7 @@ def _f32_ops():
 
     ops = native.f32_linear_ops()
     if ops is None:
-        pytest.skip(f"our float32 kernel is not built here: {native._STATE.get('f32_linear_why')}")
+        pytest.skip(f"our float32 kernel is not built here: {native.f32_linear_why_not()}")
     return ops
 
 

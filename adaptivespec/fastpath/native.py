@@ -72,17 +72,17 @@ def why_not() -> str | None:
     return _STATE["why"]
 
 
-def _bf16_module(key: str, env: str, name: str, source: Path):
-    """A bf16 module of ours built once (where the CPU has AVX512-BF16), or None; ``$env=1`` skips it
-    (read at every call: a forward built after it is set goes without)."""
+def _kernel_module(key: str, env: str, name: str, source: Path, feature: str = "bf16_kernels"):
+    """A module of ours built once (where the CPU has ``feature``, :func:`adaptivespec.hardware.has`), or
+    None; ``$env=1`` skips it (read at every call: a forward built after it is set goes without)."""
     if os.environ.get(env, "0") == "1":
         return None
-    if key not in _STATE and not hardware.has("bf16_kernels"):  # nothing compiled for an ISA the CPU lacks
-        _STATE[key], _STATE[f"{key}_why"] = None, hardware.missing("bf16_kernels")
+    if key not in _STATE and not hardware.has(feature):  # nothing compiled for an ISA the CPU lacks
+        _STATE[key], _STATE[f"{key}_why"] = None, hardware.missing(feature)
     if key not in _STATE:
         module, why = _build(name, source, ATTENTION_FLAGS)
         if module is not None and not module.available():
-            module, why = None, "the CPU has no AVX512-BF16"
+            module, why = None, f"{source.name} was built without the instructions it needs ({feature})"
         _STATE[key], _STATE[f"{key}_why"] = module, why
     return _STATE[key]
 
@@ -90,14 +90,19 @@ def _bf16_module(key: str, env: str, name: str, source: Path):
 def attention_ops():
     """The bfloat16 attention module (``attend_bf16``, ``attend_slab``, ``available``) where it builds and
     the CPU has AVX512-BF16, else None (torch's SDPA then; :func:`attention_why_not` says why)."""
-    return _bf16_module("attention", ATTENTION_ENV, "adaptivespec_bf16_attention", ATTENTION_SOURCE)
+    return _kernel_module("attention", ATTENTION_ENV, "adaptivespec_bf16_attention", ATTENTION_SOURCE)
+
+
+def _why_not(key: str, env: str, load) -> str | None:
+    """Why :func:`_kernel_module` ``key`` is None (``load()`` builds it), or None where it is not."""
+    if os.environ.get(env, "0") == "1":
+        return f"${env}=1"
+    load()
+    return _STATE[f"{key}_why"]
 
 
 def attention_why_not() -> str | None:
-    if os.environ.get(ATTENTION_ENV, "0") == "1":
-        return f"${ATTENTION_ENV}=1"
-    attention_ops()
-    return _STATE["attention_why"]
+    return _why_not("attention", ATTENTION_ENV, attention_ops)
 
 
 def linear_ops():
@@ -105,7 +110,7 @@ def linear_ops():
     the CPU has AVX512-BF16 and ``$ADAPTIVESPEC_NO_LINEAR_KERNEL`` is not 1, else None. Used for a weight
     whose matmul sums a row differently by the number of rows beside it
     (:class:`adaptivespec.fastpath.prepack.PackedWeight`, ``invariant=True``)."""
-    return _bf16_module("linear", LINEAR_ENV, "adaptivespec_bf16_linear", LINEAR_SOURCE)
+    return _kernel_module("linear", LINEAR_ENV, "adaptivespec_bf16_linear", LINEAR_SOURCE)
 
 
 F32_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "f32_linear.cpp"
@@ -116,16 +121,11 @@ def f32_linear_ops():
     has AVX2 + FMA and ``$ADAPTIVESPEC_NO_LINEAR_KERNEL`` is not 1, else None (torch's matmul then; MKL's).
     :class:`adaptivespec.fastpath.forward.Float32Weight` runs it: a weight read once for all of a call's
     rows, each output summed in one fixed order (csrc/f32_linear.cpp)."""
-    if os.environ.get(LINEAR_ENV, "0") == "1":
-        return None
-    if "f32_linear" not in _STATE and not hardware.has("avx2"):  # nothing compiled for an ISA the CPU lacks
-        _STATE["f32_linear"], _STATE["f32_linear_why"] = None, hardware.missing("avx2")
-    if "f32_linear" not in _STATE:
-        module, why = _build("adaptivespec_f32_linear", F32_LINEAR_SOURCE, ATTENTION_FLAGS)
-        if module is not None and not module.available():
-            module, why = None, "built without AVX2 and FMA"
-        _STATE["f32_linear"], _STATE["f32_linear_why"] = module, why
-    return _STATE["f32_linear"]
+    return _kernel_module("f32_linear", LINEAR_ENV, "adaptivespec_f32_linear", F32_LINEAR_SOURCE, "avx2")
+
+
+def f32_linear_why_not() -> str | None:
+    return _why_not("f32_linear", LINEAR_ENV, f32_linear_ops)
 
 
 def _flags_key() -> str:
